@@ -1,0 +1,133 @@
+"""The public wire contracts: the turn request (`threadline.turn/v1`), turn events and the stage envelope."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from .errors import InvalidRequest
+
+TURN_SCHEMA = "threadline.turn/v1"
+ENVELOPE_VERSION = 1
+
+Stage = Literal["resolve", "history", "map", "invoke", "persist"]
+STAGES: tuple[Stage, ...] = ("resolve", "history", "map", "invoke", "persist")
+TerminalType = Literal["succeeded", "paused", "failed", "cancelled", "timed_out"]
+TERMINAL_TYPES: frozenset[str] = frozenset({"succeeded", "paused", "failed", "cancelled", "timed_out"})
+
+Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]*$")]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class FileRef(_Wire):
+    type: Literal["image", "document", "audio", "video", "file"] = "file"
+    url: Annotated[str, Field(min_length=1, max_length=4096)]
+    mime: str | None = None
+
+
+class DeferredAnswers(_Wire):
+    """Answers to a paused turn's pending tool calls, keyed by tool call id."""
+
+    calls: dict[str, Any] = Field(min_length=1)
+
+
+class TurnRequest(_Wire):
+    """What a producer enqueues: "user U said Q in conversation C of agent A"."""
+
+    schema_: Literal["threadline.turn/v1"] = Field(alias="schema")
+    turn_id: Id
+    tenant_id: Id
+    app_id: Id
+    user_id: Id
+    agent_id: Id
+    conversation_id: Id | None = None
+    #: None: continue from the tip; an id: branch from that message; "root": a new root.
+    parent_message_id: Id | None = None
+    query: str = ""
+    files: list[FileRef] = Field(default_factory=list, max_length=32)
+    inputs: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    context: str | None = None
+    invoke_from: Literal["published", "draft"] = "published"
+    draft_id: Id | None = None
+    deferred_tool_results: DeferredAnswers | None = None
+    deadline_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+
+    @property
+    def is_resume(self) -> bool:
+        return self.deferred_tool_results is not None
+
+
+def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: int) -> TurnRequest:
+    """Validate a producer's turn request (a JSON object or its text), or raise `InvalidRequest`.
+
+    `fallback_turn_id` names the turn when the producer gave none: the queue message id, so a
+    redelivered message keeps the same turn.
+    """
+    data = _as_object(raw)
+    data.setdefault("turn_id", fallback_turn_id)
+    try:
+        request = TurnRequest.model_validate(data)
+    except ValidationError as e:
+        raise InvalidRequest(f"invalid turn request: {_describe(e)}") from None
+    if request.is_resume:
+        if request.conversation_id is None:
+            raise InvalidRequest("deferred_tool_results needs the conversation_id of the paused turn")
+    elif not request.query.strip():
+        raise InvalidRequest("query is empty")
+    if len(request.query) > max_query_chars:
+        raise InvalidRequest(f"query is {len(request.query)} characters; the limit is {max_query_chars}")
+    if request.invoke_from == "draft" and request.draft_id is None:
+        raise InvalidRequest("invoke_from 'draft' needs a draft_id")
+    return request
+
+
+def extract_turn_id(raw: object) -> str | None:
+    """The turn id of a request that may be invalid, so its failure lands on the right stream."""
+    try:
+        data = _as_object(raw)
+    except InvalidRequest:
+        return None
+    turn_id = data.get("turn_id")
+    try:
+        return TypeAdapter(Id).validate_python(turn_id)
+    except ValidationError:
+        return None
+
+
+def _as_object(raw: object) -> dict[str, Any]:
+    if isinstance(raw, bytes | str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise InvalidRequest(f"turn request is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("turn request must be a JSON object")
+    return dict(raw)
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"]) or "request"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+class Envelope(_Wire):
+    """The small message passed between stages; artifacts live in Redis under turn-scoped keys."""
+
+    v: Literal[1] = 1
+    turn_id: Id
+    stage: Stage
+    attempt: int = Field(default=1, ge=1)
+
+
+class Usage(_Wire):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    requests: int = 0

@@ -1,0 +1,120 @@
+"""Stage 1, resolve: check scope, pin the agent config version, validate the session, expand variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .config import AgentConfig, expand_variables, whitelisted_settings
+from .contracts import TurnRequest
+from .errors import Forbidden, InvalidRequest, SessionConfigurationChanged
+from .records import ConversationRecord, ResolvedTurn
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigRef:
+    """Which config version a turn runs: the active published one, a pinned one, or a draft."""
+
+    kind: Literal["active", "version", "draft"]
+    value: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> ConfigRef:
+        if text.startswith("draft:"):
+            return cls("draft", text.removeprefix("draft:"))
+        return cls("version", text.removeprefix("v"))
+
+
+@dataclass(frozen=True, slots=True)
+class ResolveDecision:
+    """What resolve decided and why, for the log line."""
+
+    config_ref: str
+    new_conversation: bool
+    missing_variables: list[str] = field(default_factory=list)
+
+
+def choose_config(request: TurnRequest, conversation: ConversationRecord | None) -> ConfigRef:
+    """A draft for debugger runs, the pinned version for an existing conversation, else the active one."""
+    if conversation is not None:
+        pinned = ConfigRef.parse(conversation.config_ref)
+        wants_draft = request.invoke_from == "draft"
+        if wants_draft != (pinned.kind == "draft") or (wants_draft and pinned.value != request.draft_id):
+            raise Forbidden("this conversation belongs to another config surface (draft vs published)")
+        return pinned
+    if request.invoke_from == "draft":
+        return ConfigRef("draft", request.draft_id)
+    return ConfigRef("active")
+
+
+def check_scope(request: TurnRequest, conversation: ConversationRecord) -> None:
+    owner = (conversation.tenant_id, conversation.app_id, conversation.user_id, conversation.agent_id)
+    if owner != (request.tenant_id, request.app_id, request.user_id, request.agent_id):
+        raise Forbidden("the conversation does not belong to this tenant, app, user and agent")
+
+
+def resolve_turn(
+    request: TurnRequest,
+    *,
+    conversation: ConversationRecord | None,
+    config: AgentConfig,
+    config_ref: str,
+    new_conversation_id: str,
+    now: float,
+) -> tuple[ResolvedTurn, ResolveDecision]:
+    """Pin everything the turn needs; raise a `ThreadlineError` with a stable code when it can't run."""
+    if conversation is not None:
+        check_scope(request, conversation)
+        if list(conversation.layers) != list(config.layers):
+            raise SessionConfigurationChanged()
+    deferred = _check_resume(request, conversation)
+    instructions, missing = expand_variables(config.instructions, request.inputs)
+    settings = whitelisted_settings(config.settings)
+    if "max_tokens" not in settings:
+        settings["max_tokens"] = config.model.max_output_tokens
+    pinned = config.model_copy(update={"settings": settings})
+    resolved = ResolvedTurn(
+        turn_id=request.turn_id,
+        conversation_id=conversation.id if conversation else new_conversation_id,
+        message_id=request.turn_id,
+        parent_message_id=_parent(request, conversation),
+        new_conversation=conversation is None,
+        config_ref=config_ref,
+        config=pinned,
+        instructions=instructions,
+        query=request.query,
+        files=list(request.files),
+        context=request.context,
+        deferred_answers=deferred,
+        deadline_s=request.deadline_s or config.deadline_s,
+        accepted_at=now,
+        tenant_id=request.tenant_id,
+        app_id=request.app_id,
+        user_id=request.user_id,
+    )
+    return resolved, ResolveDecision(config_ref, conversation is None, missing)
+
+
+def _parent(request: TurnRequest, conversation: ConversationRecord | None) -> str | None:
+    if request.parent_message_id == "root" or conversation is None:
+        return None
+    return request.parent_message_id or conversation.tip
+
+
+def _check_resume(request: TurnRequest, conversation: ConversationRecord | None) -> dict[str, object] | None:
+    """A resume must answer exactly the calls the conversation's paused tip waits on."""
+    if request.deferred_tool_results is None:
+        return None
+    if conversation is None or not conversation.pending_tool_calls:
+        raise InvalidRequest("nothing to resume: the conversation has no paused turn waiting for answers")
+    if request.parent_message_id not in (None, conversation.tip):
+        raise InvalidRequest("a resume continues the paused message; it cannot branch")
+    pending = {call["tool_call_id"] for call in conversation.pending_tool_calls}
+    answered = set(request.deferred_tool_results.calls)
+    unknown = sorted(answered - pending)
+    if unknown:
+        raise InvalidRequest(f"unknown or already answered tool call ids: {unknown}")
+    missing = sorted(pending - answered)
+    if missing:
+        raise InvalidRequest(f"answers missing for pending tool calls: {missing}")
+    return dict(request.deferred_tool_results.calls)

@@ -1,0 +1,192 @@
+"""`threadline`: demo, worker, submit, events, cancel, agents put, thread."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.contracts import TERMINAL_TYPES
+from pipeline.errors import ThreadlineError
+
+from .client import Client
+from .embedded import EmbeddedServer, ensure_embedded
+from .logs import configure_logging
+from .settings import Settings
+from .worker import Supervisor
+
+
+def connect(settings: Settings) -> tuple[str, EmbeddedServer | None]:
+    """REDIS_URL when set, else the embedded server of this data dir (joined, or started here)."""
+    if settings.redis_url:
+        return settings.redis_url, None
+    server = ensure_embedded(settings.data_dir)
+    return server.url, server
+
+
+def render_event(event: dict[str, Any], *, as_json: bool) -> str | None:
+    """One event for the terminal: JSON lines, or text deltas inline and the rest as notes."""
+    if as_json:
+        return json.dumps(event)
+    kind = event["type"]
+    if kind == "text_delta":
+        return str(event["text"])
+    if kind == "stage":
+        return None
+    if kind in TERMINAL_TYPES:
+        detail = event.get("code") or json.dumps(event.get("usage", {}))
+        return f"\n[{kind}] {detail}" + (f": {event['message']}" if event.get("message") else "") + "\n"
+    return f"\n[{kind}] " + json.dumps({k: v for k, v in event.items() if k not in ("type", "turn_id", "seq")}) + "\n"
+
+
+def follow(client: Client, turn_id: str, *, as_json: bool, live: bool, timeout_s: float | None = None) -> int:
+    status = "unknown"
+    for event in client.events(turn_id, follow=live, timeout_s=timeout_s):
+        line = render_event(event, as_json=as_json)
+        if line is not None:
+            sys.stdout.write(line + ("\n" if as_json else ""))
+            sys.stdout.flush()
+        if event["type"] in TERMINAL_TYPES:
+            status = event["type"]
+    return 0 if status in ("succeeded", "paused", "unknown") else 1
+
+
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    url, server = connect(settings)
+    supervisor = Supervisor(url, processes=args.processes or settings.processes,
+                            threads=args.threads or settings.threads, queues=args.queues)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    supervisor.start()
+    print(f"threadline: {len(supervisor.children)} worker processes on {url}", file=sys.stderr)
+    try:
+        supervisor.watch(stop)
+    finally:
+        supervisor.stop()
+        if server is not None:
+            server.stop()
+    return 0
+
+
+def _request_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    if args.file:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        request: dict[str, Any] = json.loads(text)
+    else:
+        request = {}
+    flags = {"tenant_id": args.tenant, "app_id": args.app, "user_id": args.user, "agent_id": args.agent,
+             "conversation_id": args.conversation, "query": args.query, "turn_id": args.turn_id}
+    request.update({k: v for k, v in flags.items() if v is not None})
+    for name, default in (("tenant_id", "demo"), ("app_id", "demo"), ("user_id", "demo")):
+        request.setdefault(name, default)
+    return request
+
+
+def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
+    url, _ = connect(settings)
+    client = Client(url, prefix=settings.prefix)
+    turn_id = client.submit(_request_from_args(args))
+    if not args.follow:
+        print(json.dumps({"turn_id": turn_id}) if args.json else turn_id)
+        return 0
+    if not args.json:
+        print(f"turn {turn_id}", file=sys.stderr)
+    return follow(client, turn_id, as_json=args.json, live=True, timeout_s=args.timeout)
+
+
+def cmd_events(args: argparse.Namespace, settings: Settings) -> int:
+    url, _ = connect(settings)
+    return follow(Client(url, prefix=settings.prefix), args.turn_id, as_json=args.json, live=args.follow,
+                  timeout_s=args.timeout)
+
+
+def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    url, _ = connect(settings)
+    result = Client(url, prefix=settings.prefix).cancel(args.turn_id, args.reason or "")
+    print(f"cancel {args.turn_id}: {result}")
+    return 0
+
+
+def cmd_agents_put(args: argparse.Namespace, settings: Settings) -> int:
+    url, _ = connect(settings)
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    try:
+        ref = Client(url, prefix=settings.prefix).put_agent(text, draft_id=args.draft)
+    except ThreadlineError as e:
+        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
+        return 2
+    print(ref)
+    return 0
+
+
+def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
+    url, _ = connect(settings)
+    for message in Client(url, prefix=settings.prefix).thread(args.conversation_id):
+        print(f"[{message.status}] user: {message.query}\n            assistant: {message.answer}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from .demo import run_demo
+
+    return run_demo(settings, delay_ms=args.delay_ms)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="threadline", description="LLM agent turns as a pipeline of queue workers.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="start workers and run a three-turn conversation")
+    demo.add_argument("--delay-ms", type=int, default=35, help="offline model's pause between words")
+    demo.set_defaults(func=cmd_demo)
+
+    worker = sub.add_parser("worker", help="run worker processes")
+    worker.add_argument("--processes", type=int)
+    worker.add_argument("--threads", type=int)
+    worker.add_argument("--queues", nargs="*", default=[])
+    worker.set_defaults(func=cmd_worker)
+
+    submit = sub.add_parser("submit", help="enqueue a turn (JSON file, '-' for stdin, or flags)")
+    submit.add_argument("file", nargs="?")
+    for flag in ("tenant", "app", "user", "agent", "conversation", "query", "turn-id"):
+        submit.add_argument(f"--{flag}")
+    submit.add_argument("--follow", action="store_true")
+    submit.add_argument("--json", action="store_true")
+    submit.add_argument("--timeout", type=float, default=None)
+    submit.set_defaults(func=cmd_submit)
+
+    ev = sub.add_parser("events", help="print a turn's events")
+    ev.add_argument("turn_id")
+    ev.add_argument("--follow", action="store_true")
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--timeout", type=float, default=None)
+    ev.set_defaults(func=cmd_events)
+
+    cancel = sub.add_parser("cancel", help="cancel a turn")
+    cancel.add_argument("turn_id")
+    cancel.add_argument("--reason")
+    cancel.set_defaults(func=cmd_cancel)
+
+    agents = sub.add_parser("agents", help="manage agent configs").add_subparsers(dest="agents", required=True)
+    put = agents.add_parser("put", help="register a config (YAML or JSON)")
+    put.add_argument("file")
+    put.add_argument("--draft", help="store as this draft instead of publishing a version")
+    put.set_defaults(func=cmd_agents_put)
+
+    thread = sub.add_parser("thread", help="print a conversation's thread")
+    thread.add_argument("conversation_id")
+    thread.set_defaults(func=cmd_thread)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    settings = Settings.from_env()
+    configure_logging(settings)
+    raise SystemExit(args.func(args, settings))

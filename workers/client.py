@@ -1,0 +1,161 @@
+"""The Python client: register agents, submit turns, follow their events, cancel them, read threads.
+
+It enqueues exactly what the README tells any other producer to write with raw Redis commands
+(HSET the message, RPUSH its id, PUBLISH the doorbell), so that path is exercised on every use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import redis
+
+from pipeline.config import AgentConfig, config_to_json, parse_agent_config
+from pipeline.contracts import TERMINAL_TYPES, TURN_SCHEMA
+from pipeline.history import extract_thread
+from pipeline.records import ConversationRecord, MessageRecord
+
+from .broker import build_message
+from .keys import Keys
+from .settings import Settings
+
+
+class Client:
+    def __init__(self, url: str, *, prefix: str = "tl") -> None:
+        self.url = url
+        self.redis = redis.Redis.from_url(url)
+        self.keys = Keys(prefix)
+        self.namespace = f"{prefix}:q"
+
+    @classmethod
+    def from_settings(cls, settings: Settings, url: str | None = None) -> Client:
+        target = url or settings.redis_url
+        if target is None:
+            raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
+        return cls(target, prefix=settings.prefix)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    # --- agents --------------------------------------------------------------------------------
+
+    def put_agent(self, config: AgentConfig | str | bytes, *, draft_id: str | None = None) -> str:
+        """Register a config: a new immutable published version made active, or a draft updated in
+        place. Returns the config reference ("v<N>" or "draft:<id>")."""
+        if not isinstance(config, AgentConfig):
+            config = parse_agent_config(config)
+        data = config_to_json(config)
+        if draft_id is not None:
+            self.redis.set(self.keys.agent_draft(config.id, draft_id), data)
+            self.redis.sadd(self.keys.agents(), config.id)
+            return f"draft:{draft_id}"
+        version = int(self.redis.hincrby(self.keys.agent(config.id), "latest", 1))
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.agent_version(config.id, version), data)
+        pipe.hset(self.keys.agent(config.id), "active", version)
+        pipe.sadd(self.keys.agents(), config.id)
+        pipe.execute()
+        return f"v{version}"
+
+    # --- turns ---------------------------------------------------------------------------------
+
+    def submit(self, request: Mapping[str, Any]) -> str:
+        """Enqueue a turn request; returns its turn id (generated when the request has none)."""
+        body = {"schema": TURN_SCHEMA, **request}
+        body.setdefault("turn_id", uuid.uuid4().hex)
+        self.submit_raw(body)
+        return str(body["turn_id"])
+
+    def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
+        """Enqueue anything as the `resolve` argument (tests use it for malformed input). Returns the
+        dramatiq message id, which is the turn id of a request that names none."""
+        message_id = message_id or uuid.uuid4().hex
+        queue, mid, data = build_message("resolve", "resolve", (request,), message_id=message_id,
+                                         now_ms=int(time.time() * 1000))
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(f"{self.namespace}:{queue}.msgs", mid, data)
+        pipe.rpush(f"{self.namespace}:{queue}", mid)
+        pipe.publish(self.keys.doorbell_channel(), queue)
+        pipe.execute()
+        return mid
+
+    def cancel(self, turn_id: str, reason: str = "") -> str:
+        """Ask the control queue to cancel a turn. Returns "enqueued", or "noop: <status>" when the
+        turn has already finished (cancelling a finished turn changes nothing)."""
+        status = self.redis.hget(self.keys.turn(turn_id), "status")
+        if status is not None and status.decode() in TERMINAL_TYPES:
+            return f"noop: {status.decode()}"
+        queue, mid, data = build_message("control", "cancel", (turn_id, reason), message_id=uuid.uuid4().hex,
+                                         now_ms=int(time.time() * 1000))
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(f"{self.namespace}:{queue}.msgs", mid, data)
+        pipe.rpush(f"{self.namespace}:{queue}", mid)
+        pipe.publish(self.keys.doorbell_channel(), queue)
+        pipe.execute()
+        return "enqueued"
+
+    def events(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,
+               after: str = "0") -> Iterator[dict[str, Any]]:
+        """The turn's events in order; with `follow`, wait for new ones until the terminal event."""
+        key = self.keys.events(turn_id)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            block = None
+            if follow:
+                remaining = 1.0 if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"turn {turn_id} did not finish in {timeout_s} s")
+                block = max(1, int(min(remaining, 1.0) * 1000))
+            reply = self.redis.xread({key: after}, block=block, count=500)
+            entries = reply[0][1] if reply else []
+            for entry_id, fields in entries:
+                after = entry_id.decode()
+                event = json.loads(fields[b"json"])
+                yield event
+                if event["type"] in TERMINAL_TYPES:
+                    return
+            if not follow and not entries:
+                return
+
+    def wait(self, turn_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Block until the turn's terminal event and return it."""
+        for event in self.events(turn_id, follow=True, timeout_s=timeout_s):
+            if event["type"] in TERMINAL_TYPES:
+                return event
+        raise TimeoutError(turn_id)
+
+    def turn_state(self, turn_id: str) -> dict[str, str]:
+        return {a.decode(): b.decode() for a, b in self.redis.hgetall(self.keys.turn(turn_id)).items()}
+
+    # --- conversations -------------------------------------------------------------------------
+
+    def conversation(self, conversation_id: str) -> ConversationRecord | None:
+        raw = {a.decode(): b.decode() for a, b in self.redis.hgetall(self.keys.conversation(conversation_id)).items()}
+        if not raw:
+            return None
+        return ConversationRecord(
+            id=conversation_id, tenant_id=raw["tenant_id"], app_id=raw["app_id"], user_id=raw["user_id"],
+            agent_id=raw["agent_id"], config_ref=raw["config_ref"], layers=json.loads(raw["layers"]),
+            revision=int(raw.get("revision", 0)), tip=raw.get("tip") or None,
+            pending_tool_calls=json.loads(raw.get("pending") or "[]"),
+        )
+
+    def messages(self, conversation_id: str) -> list[MessageRecord]:
+        rows = self.redis.hvals(self.keys.messages(conversation_id))
+        return sorted((MessageRecord.model_validate_json(r) for r in rows), key=lambda m: m.created_at)
+
+    def thread(self, conversation_id: str, message_id: str | None = None) -> list[MessageRecord]:
+        """The path root → `message_id` (default: the tip), oldest first."""
+        conversation = self.conversation(conversation_id)
+        if conversation is None:
+            return []
+        thread, _ = extract_thread(self.messages(conversation_id), message_id or conversation.tip)
+        return thread
+
+    def snapshot(self, conversation_id: str, message_id: str) -> bytes | None:
+        value: bytes | None = self.redis.hget(self.keys.snapshots(conversation_id), message_id)
+        return value

@@ -1,0 +1,86 @@
+"""Cancellation in a worker process: the turns it runs, their tokens, and the two ways a cancel
+reaches them — the pub/sub broadcast (fast) and a periodic look at the durable flags (fallback)."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import redis
+import structlog
+from pydantic_ai import CancellationToken
+
+from .keys import Keys
+from .listener import Listener
+
+log = structlog.get_logger(__name__)
+
+
+class CancelRegistry:
+    """Tokens of the turns running in this process. `CancellationToken.cancel` is thread-safe, so
+    the listener thread can fire it straight into the run on the event loop."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, set[CancellationToken]] = defaultdict(set)
+        self._lock = threading.Lock()
+
+    def register(self, turn_id: str) -> CancellationToken:
+        token = CancellationToken()
+        with self._lock:
+            self._tokens[turn_id].add(token)
+        return token
+
+    def unregister(self, turn_id: str, token: CancellationToken) -> None:
+        with self._lock:
+            tokens = self._tokens.get(turn_id)
+            if tokens is not None:
+                tokens.discard(token)
+                if not tokens:
+                    del self._tokens[turn_id]
+
+    def running(self) -> list[str]:
+        with self._lock:
+            return list(self._tokens)
+
+    def cancel(self, turn_id: str) -> bool:
+        with self._lock:
+            tokens = list(self._tokens.get(turn_id, ()))
+        for token in tokens:
+            token.cancel()
+        if tokens:
+            log.info("cancel_delivered", turn_id=turn_id)
+        return bool(tokens)
+
+
+class CancelWatcher:
+    """Wires a registry to the cancel channel, and polls the durable flags of running turns every
+    `poll_s` as a fallback for a missed notification (no Redis calls while nothing runs)."""
+
+    def __init__(self, registry: CancelRegistry, listener: Listener, url: str, keys: Keys, poll_s: float = 1.0):
+        self.registry = registry
+        self._keys = keys
+        self._client = redis.Redis.from_url(url, socket_timeout=5)
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        listener.on(keys.cancel_channel(), self.registry.cancel)
+        self._thread = threading.Thread(target=self._poll, name="threadline-cancel-poll", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._client.close()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            running = self.registry.running()
+            if not running:
+                continue
+            try:
+                flags = self._client.mget([self._keys.cancel_flag(t) for t in running])
+            except redis.RedisError as e:
+                log.warning("cancel_poll_failed", error=str(e))
+                continue
+            for turn_id, flag in zip(running, flags, strict=True):
+                if flag is not None:
+                    self.registry.cancel(turn_id)

@@ -1,0 +1,79 @@
+"""`threadline demo`: real worker processes, a demo agent, and a three-turn conversation streamed
+to the terminal as the model speaks. Everything it starts, it stops."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from importlib import resources
+
+from pipeline.config import parse_agent_config
+
+from .cli import connect, render_event
+from .client import Client
+from .settings import Settings
+from .worker import Supervisor
+
+QUESTIONS = (
+    "Hi! I'm Ada and I'm planning a week in Lisbon.",
+    "What should I pack for October there?",
+    "Remind me: who am I, and what have I asked you so far?",
+)
+
+
+def run_demo(settings: Settings, *, delay_ms: int) -> int:
+    url, server = connect(settings)
+    log_path = settings.data_dir / "demo-workers.log"
+    supervisor = Supervisor(url, processes=settings.processes, threads=settings.threads,
+                            env={"TL_LOG_FORMAT": "json"}, log_path=log_path)
+    supervisor.start()
+    client = Client(url, prefix=settings.prefix)
+    try:
+        text = resources.files("workers").joinpath("demo_agent.yaml").read_text()
+        config = parse_agent_config(text)
+        config = config.model_copy(update={"model": config.model.model_copy(update={"options": {"delay_ms": delay_ms}})})
+        version = client.put_agent(config)
+        print(f"Threadline demo: {settings.processes} worker processes on {url}; agent {config.id} {version}\n")
+        return _conversation(client, config.id)
+    finally:
+        client.close()
+        supervisor.stop()
+        if server is not None:
+            server.stop()
+        print(f"\nworkers stopped (their logs: {log_path})")
+
+
+def _conversation(client: Client, agent_id: str) -> int:
+    conversation_id: str | None = None
+    run = uuid.uuid4().hex[:8]
+    for number, question in enumerate(QUESTIONS, start=1):
+        print(f"you> {question}")
+        sys.stdout.write("assistant> ")
+        sys.stdout.flush()
+        started = time.perf_counter()
+        turn_id = client.submit({
+            "turn_id": f"demo-{run}-{number}", "tenant_id": "demo", "app_id": "demo", "user_id": "ada",
+            "agent_id": agent_id, "conversation_id": conversation_id, "query": question,
+            "inputs": {"customer_name": "Ada"},
+        })
+        terminal: dict[str, object] = {}
+        for event in client.events(turn_id, follow=True, timeout_s=120):
+            if event["type"] == "accepted":
+                conversation_id = str(event["conversation_id"])
+            elif event["type"] == "text_delta":
+                sys.stdout.write(str(event["text"]))
+                sys.stdout.flush()
+            elif event["type"] in ("succeeded", "failed", "cancelled", "timed_out", "paused"):
+                terminal = event
+        took = time.perf_counter() - started
+        if terminal.get("type") != "succeeded":
+            print(render_event(terminal, as_json=False))
+            return 1
+        print(f"\n    ({took:.2f} s, {terminal['usage']})\n")
+    assert conversation_id is not None
+    print(f"The conversation thread ({conversation_id}), as stored:")
+    for message in client.thread(conversation_id):
+        print(f"  [{message.status}] user: {message.query}")
+        print(f"             assistant: {message.answer}")
+    return 0

@@ -1,0 +1,78 @@
+"""Every environment setting, read once into one frozen object."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    value = env.get(name)
+    return float(value) if value not in (None, "") else default
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    #: None: start (or join) the embedded Valkey server under `data_dir`.
+    redis_url: str | None
+    data_dir: Path
+    prefix: str = "tl"
+    log_format: Literal["json", "console"] = "console"
+    log_level: str = "INFO"
+    processes: int = 2
+    threads: int = 8
+    #: Invoke messages one process holds at once (a long turn must not hoard queued turns).
+    invoke_prefetch: int = 1
+    max_query_chars: int = 32_000
+    #: Upper bound for an idle consumer's sleep between polls; a doorbell wakes it sooner.
+    idle_poll_ms: int = 2_000
+    delay_poll_ms: int = 5_000
+    artifact_ttl_s: int = 86_400
+    turn_ttl_s: int = 7 * 86_400
+    cancel_ttl_s: int = 86_400
+    debounce_ms: int = 75
+    invoke_lease_s: float = 30.0
+    max_invoke_attempts: int = 3
+    allow_python_models: bool = False
+    secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def broker_namespace(self) -> str:
+        return f"{self.prefix}:q"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        log_format = env.get("TL_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
+        if log_format not in ("json", "console"):
+            raise ValueError(f"TL_LOG_FORMAT must be json or console, not {log_format!r}")
+        return cls(
+            redis_url=env.get("REDIS_URL") or None,
+            data_dir=Path(env.get("TL_DATA_DIR") or ".threadline").resolve(),
+            prefix=env.get("TL_PREFIX") or "tl",
+            log_format=log_format,  # type: ignore[arg-type]
+            log_level=(env.get("TL_LOG_LEVEL") or "INFO").upper(),
+            processes=_int(env, "TL_PROCESSES", 2),
+            threads=_int(env, "TL_THREADS", 8),
+            invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 1),
+            max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000),
+            idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000),
+            delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000),
+            artifact_ttl_s=_int(env, "TL_ARTIFACT_TTL_S", 86_400),
+            turn_ttl_s=_int(env, "TL_TURN_TTL_S", 7 * 86_400),
+            cancel_ttl_s=_int(env, "TL_CANCEL_TTL_S", 86_400),
+            debounce_ms=_int(env, "TL_DEBOUNCE_MS", 75),
+            invoke_lease_s=_float(env, "TL_INVOKE_LEASE_S", 30.0),
+            max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3),
+            allow_python_models=env.get("TL_ALLOW_PYTHON_MODELS", "") in ("1", "true", "yes"),
+            secrets=dict(env),
+        )
