@@ -81,9 +81,9 @@ class AgentConfig(_Doc):
     @field_validator("tools")
     @classmethod
     def _known_tools(cls, value: list[str]) -> list[str]:
-        unknown = sorted(set(value) - BUILTIN_TOOLS)
+        unknown = sorted(t for t in value if t not in BUILTIN_TOOLS and not t.startswith("python:"))
         if unknown:
-            raise ValueError(f"unknown tools: {unknown}; available: {sorted(BUILTIN_TOOLS)}")
+            raise ValueError(f"unknown tools: {unknown}; available: {sorted(BUILTIN_TOOLS)} or python:module:function")
         return value
 
     @field_validator("layers")

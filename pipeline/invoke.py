@@ -56,8 +56,9 @@ from pydantic_ai.models import Model
 
 from . import events
 from .contracts import TerminalType, Usage
-from .errors import ErrorCode, ThreadlineError
+from .errors import ErrorCode, InvalidRequest, ThreadlineError
 from .history import encode_messages
+from .models import import_object
 from .persist import prepare_snapshot, run_answer, run_usage
 from .records import ResolvedTurn, ToolActivity
 
@@ -243,10 +244,23 @@ def ask_human(question: str) -> str:
     raise CallDeferred(kind="question")
 
 
-_TOOLS: dict[str, Tool[TurnDeps]] = {
+_BUILTIN_TOOLS: dict[str, Tool[TurnDeps]] = {
     "clock": Tool(clock, takes_ctx=True),
     "ask_human": Tool(ask_human, takes_ctx=False),
 }
+
+
+def build_tools(names: Sequence[str], *, allow_python: bool) -> list[Tool[TurnDeps]]:
+    """The tools a config names: built-ins, or `python:module:function` where workers allow plugins."""
+    tools: list[Tool[TurnDeps]] = []
+    for name in names:
+        if name in _BUILTIN_TOOLS:
+            tools.append(_BUILTIN_TOOLS[name])
+        elif allow_python:
+            tools.append(Tool(import_object(name.removeprefix("python:"))))
+        else:
+            raise InvalidRequest(f"tool {name!r}: python plugins are disabled on these workers")
+    return tools
 
 
 def user_prompt(turn: ResolvedTurn, *, vision: bool) -> str | list[UserContent] | None:
@@ -277,6 +291,7 @@ async def run_turn(
     history: Sequence[ModelMessage],
     *,
     model: Model,
+    tools: Sequence[Tool[TurnDeps]] = (),
     attempt: int,
     sink: Sink,
     token: CancellationToken,
@@ -290,7 +305,7 @@ async def run_turn(
         model,
         output_type=[str, DeferredToolRequests],
         deps_type=TurnDeps,
-        tools=[_TOOLS[name] for name in turn.config.tools],
+        tools=list(tools),
     )
     deferred = DeferredToolResults(calls=dict(turn.deferred_answers)) if turn.deferred_answers else None
     stream = TurnStream(turn.turn_id, attempt, sink, clock, TextDebouncer(window_s=debounce_s))
@@ -308,6 +323,7 @@ async def run_turn(
                     cancellation_token=token,
                     timeout=max(timeout_s, 0.001),
                     run_id=run_id,
+                    conversation_id=turn.conversation_id,
                     event_stream_handler=stream.handle,
                 )
                 output: str | DeferredToolRequests | None = result.output
@@ -380,6 +396,14 @@ def model_error_code(error: BaseException) -> tuple[ErrorCode, bool]:
         return "context_too_large", False
     if isinstance(error, ModelRequestRejectedError):
         return "model_bad_request", False
+    status = getattr(error, "status_code", None)
+    if isinstance(status, int):
+        if status == 429:
+            return "model_rate_limited", True
+        if status >= 500 or status == 408:
+            return "model_unavailable", True
+        if status >= 400:
+            return "model_bad_request", False
     return "model_error", False
 
 

@@ -128,8 +128,9 @@ def _base_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool) 
         return offline_model(spec.name, spec.options)
     if spec.provider == "python":
         if not allow_python:
-            raise InvalidRequest("python model factories are disabled on these workers (TL_ALLOW_PYTHON_MODELS)")
-        return _import_factory(spec.name)(dict(spec.options))
+            raise InvalidRequest("python model factories are disabled on these workers (TL_ALLOW_PYTHON_PLUGINS)")
+        factory: Callable[[dict[str, Any]], Model] = import_object(spec.name)
+        return factory(dict(spec.options))
     if spec.provider == "anthropic":
         raise ThreadlineError("the anthropic provider is not installed on these workers", code="model_unavailable")
     return _openai_chat(spec, env)
@@ -152,15 +153,16 @@ def _openai_chat(spec: ModelSpec, env: Mapping[str, str]) -> Model:
     return OpenAIChatModel(spec.name, provider=provider)
 
 
-def _import_factory(path: str) -> Callable[[dict[str, Any]], Model]:
+def import_object(path: str) -> Any:
+    """`module:attribute` → the attribute (python plugins: test models and tools)."""
     module_name, _, attr = path.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise InvalidRequest(f"cannot load model factory {path!r}: {e}") from None
-    if not callable(factory):
-        raise InvalidRequest(f"model factory {path!r} is not callable")
-    return factory  # type: ignore[no-any-return]
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise InvalidRequest(f"cannot load {path!r}: {e}") from None
+    if not callable(found):
+        raise InvalidRequest(f"{path!r} is not callable")
+    return found
 
 
 # --- offline models -------------------------------------------------------------------------------

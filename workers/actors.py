@@ -81,7 +81,8 @@ async def resolve(request: object) -> None:
         log.info("turn_not_admitted", admission=admission, behind=other)
         return
     t0 = time.perf_counter()
-    begin = await rt.store.begin(turn_id, "resolve", now=rt.now())
+    # `accepted` is the first event of a turn; resolve's own `started` follows it.
+    begin = await rt.store.begin(turn_id, "resolve", now=rt.now(), announce=False)
     if await _not_live(begin, turn_id, "resolve"):
         return
     try:
@@ -99,7 +100,8 @@ async def resolve(request: object) -> None:
     await rt.store.advance(
         turn_id, "resolve", next_=Next("history", _envelope(turn_id, "history"), rt.new_id()),
         now=rt.now(), now_ms=now_ms(), artifact=("resolved", resolved.model_dump_json()),
-        events=[accepted, _finished(turn_id, begin, "resolve", t0)], fence=begin.fence, conversation_id=cid,
+        events=[accepted, events.stage(turn_id, 1, "resolve", "started"), _finished(turn_id, begin, "resolve", t0)],
+        fence=begin.fence, conversation_id=cid,
         accept=(conversation_fields(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s),
     )
 
@@ -193,13 +195,14 @@ async def invoke(envelope: dict[str, Any]) -> None:
         structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
         try:
             model = rt.model(turn.config.model)
+            tools = rt.tools(turn.config.tools)
             history = decode_messages(begin.artifacts[1], where="the mapped history")
         except ThreadlineError as e:
             await rt.end_turn(env.turn_id, "failed", code=e.code, message=e.message, resolved=turn)
             return
         async with _claim_heartbeat(env.turn_id):
             outcome = await run_turn(
-                turn, history, model=model, attempt=begin.attempt, sink=partial(rt.store.emit, env.turn_id),
+                turn, history, model=model, tools=tools, attempt=begin.attempt, sink=partial(rt.store.emit, env.turn_id),
                 token=token, clock=rt.now, timeout_s=(begin.deadline_at or rt.now() + turn.deadline_s) - rt.now(),
                 debounce_s=rt.settings.debounce_ms / 1000,
             )

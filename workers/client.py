@@ -13,10 +13,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import redis
+from pydantic_ai.messages import ModelMessage
 
 from pipeline.config import AgentConfig, config_to_json, parse_agent_config
 from pipeline.contracts import TERMINAL_TYPES, TURN_SCHEMA
-from pipeline.history import extract_thread
+from pipeline.history import encode_messages, extract_thread
 from pipeline.records import ConversationRecord, MessageRecord
 
 from .broker import build_message
@@ -155,6 +156,48 @@ class Client:
             return []
         thread, _ = extract_thread(self.messages(conversation_id), message_id or conversation.tip)
         return thread
+
+    def import_conversation(
+        self,
+        *,
+        conversation_id: str,
+        tenant_id: str,
+        app_id: str,
+        user_id: str,
+        agent_id: str,
+        turns: list[tuple[str, str, list[ModelMessage] | None]],
+        layers: list[str] | None = None,
+    ) -> str:
+        """Import a conversation made elsewhere (a migration): each turn is (query, answer, and the
+        pydantic-ai messages it added, or None for a text-only message). The conversation is
+        pinned to the agent's active version. Returns the id of the last message (the tip)."""
+        active = self.redis.hget(self.keys.agent(agent_id), "active")
+        if active is None:
+            raise ValueError(f"agent {agent_id!r} is not registered")
+        config = AgentConfig.model_validate_json(self.redis.get(self.keys.agent_version(agent_id, active.decode())))
+        if self.redis.exists(self.keys.conversation(conversation_id)):
+            raise ValueError(f"conversation {conversation_id!r} exists")
+        pipe = self.redis.pipeline(transaction=True)
+        parent: str | None = None
+        now = time.time()
+        for seq, (query, answer, messages) in enumerate(turns, start=1):
+            message_id = f"{conversation_id}-m{seq}"
+            row = MessageRecord(id=message_id, conversation_id=conversation_id, parent_id=parent,
+                                turn_id=message_id, query=query, answer=answer, status="succeeded",
+                                created_at=now + seq / 1000, updated_at=now + seq / 1000)
+            pipe.hset(self.keys.messages(conversation_id), message_id, row.model_dump_json())
+            pipe.zadd(self.keys.message_order(conversation_id), {message_id: seq})
+            if messages is not None:
+                pipe.hset(self.keys.snapshots(conversation_id), message_id, encode_messages(messages))
+            parent = message_id
+        pipe.hset(self.keys.conversation(conversation_id), mapping={
+            "tenant_id": tenant_id, "app_id": app_id, "user_id": user_id, "agent_id": agent_id,
+            "config_ref": f"v{active.decode()}", "layers": json.dumps(layers or config.layers),
+            "revision": len(turns), "tip": parent or "", "pending": "[]", "created_at": repr(now),
+            "message_seq": len(turns),
+        })
+        pipe.execute()
+        return parent or ""
 
     def snapshot(self, conversation_id: str, message_id: str) -> bytes | None:
         value: bytes | None = self.redis.hget(self.keys.snapshots(conversation_id), message_id)

@@ -35,7 +35,7 @@ end
 
 #: Start a stage. KEYS: turn, events, cancel flag, artifact a, artifact b, invoke claim.
 #: ARGV: stage, turn_id, now, check interrupts (cancel flag, deadline), claim token ("" = none),
-#:       claim ttl ms.
+#:       claim ttl ms, emit the `started` event ("1"/"0").
 BEGIN = PRELUDE + r"""
 local turn, events = KEYS[1], KEYS[2]
 local stage, turn_id, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -59,7 +59,7 @@ if ARGV[5] ~= '' then
   end
 end
 redis.call('HSET', turn, 'stage', stage)
-emit(turn, events, stage_started(turn_id, attempt, stage))
+if ARGV[7] == '1' then emit(turn, events, stage_started(turn_id, attempt, stage)) end
 return {'go', tostring(attempt), redis.call('GET', KEYS[4]) or '', redis.call('GET', KEYS[5]) or '',
         redis.call('HGET', turn, 'conversation_id') or '', redis.call('HGET', turn, 'fence') or '',
         redis.call('HGET', turn, 'deadline_at') or ''}
@@ -174,6 +174,9 @@ if conversation_id ~= '' then
   if holder == turn_id then redis.call('HDEL', KEYS[6], 'turn') end
   if redis.call('HEXISTS', KEYS[6], 'turn') == 0 then
     local head = redis.call('ZRANGE', KEYS[7], 0, 0)[1]
+    if not head and redis.call('EXISTS', KEYS[3]) == 0 then
+      redis.call('DEL', KEYS[6])  -- no conversation, nobody waiting: leave nothing behind
+    end
     if head then
       local next_turn = ARGV[17] .. ':turn:' .. head
       local wake = redis.call('HGET', next_turn, 'wake_data')

@@ -12,12 +12,14 @@ import uuid
 from typing import Any
 
 import structlog
+from pydantic_ai import Tool
 from pydantic_ai.models import Model
 
 from pipeline import events
 from pipeline.config import ModelSpec
 from pipeline.contracts import TerminalType
 from pipeline.errors import ErrorCode
+from pipeline.invoke import TurnDeps, build_tools
 from pipeline.models import build_model
 from pipeline.persist import final_row
 from pipeline.records import ResolvedTurn
@@ -46,6 +48,9 @@ class Runtime:
                 model = build_model(spec, env=self.settings.secrets, allow_python=self.settings.allow_python_models)
                 self._models[key] = model
             return model
+
+    def tools(self, names: list[str]) -> list[Tool[TurnDeps]]:
+        return build_tools(names, allow_python=self.settings.allow_python_models)
 
     @staticmethod
     def now() -> float:

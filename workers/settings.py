@@ -42,6 +42,7 @@ class Settings:
     debounce_ms: int = 75
     invoke_lease_s: float = 30.0
     max_invoke_attempts: int = 3
+    #: Configs may name `python:module:function` models and tools (tests, trusted deployments).
     allow_python_models: bool = False
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
 
@@ -73,6 +74,6 @@ class Settings:
             debounce_ms=_int(env, "TL_DEBOUNCE_MS", 75),
             invoke_lease_s=_float(env, "TL_INVOKE_LEASE_S", 30.0),
             max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3),
-            allow_python_models=env.get("TL_ALLOW_PYTHON_MODELS", "") in ("1", "true", "yes"),
+            allow_python_models=env.get("TL_ALLOW_PYTHON_PLUGINS", "") in ("1", "true", "yes"),
             secrets=dict(env),
         )

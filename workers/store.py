@@ -96,13 +96,15 @@ class Store:
         inputs: tuple[str, str] = ("-", "-"),
         check_interrupts: bool = True,
         claim: str = "",
+        announce: bool = True,
     ) -> Begin:
         k = self.keys
         reply = await self._run(
             "BEGIN",
             [k.turn(turn_id), k.events(turn_id), k.cancel_flag(turn_id),
              k.artifact(turn_id, inputs[0]), k.artifact(turn_id, inputs[1]), k.invoke_claim(turn_id)],
-            [stage, turn_id, now, "1" if check_interrupts else "0", claim, int(self.settings.invoke_lease_s * 1000)],
+            [stage, turn_id, now, "1" if check_interrupts else "0", claim, int(self.settings.invoke_lease_s * 1000),
+             "1" if announce else "0"],
         )
         status = reply[0].decode()
         if status != "go":

@@ -1,0 +1,145 @@
+"""Fixtures: a real Redis-protocol server (embedded Valkey, or REDIS_URL), a unique key prefix per
+session (cleaned up afterwards), real worker processes, and a client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pipeline.config import AgentConfig
+from workers.client import Client
+from workers.embedded import ensure_embedded
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        redis.Redis.from_url(url).ping()  # a configured server that does not answer fails the run
+        yield url
+        return
+    server = ensure_embedded(tmp_path_factory.mktemp("embedded"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefix(redis_url: str) -> Iterator[str]:
+    name = f"tlt{uuid.uuid4().hex[:8]}"
+    yield name
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"{name}:*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+class WorkerPool:
+    """Real worker processes (`python -m workers.worker`) against the test server."""
+
+    def __init__(self, url: str, prefix: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.log_path = log_dir / f"workers-{uuid.uuid4().hex[:6]}.log"
+        self.env = {
+            **os.environ,
+            "REDIS_URL": url,
+            "TL_PREFIX": prefix,
+            "TL_ALLOW_PYTHON_PLUGINS": "1",
+            "TL_MAX_QUERY_CHARS": "2000",
+            "TL_LOG_FORMAT": "json",
+            "TL_LOG_LEVEL": "INFO",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, processes: int = 2, threads: int = 8) -> WorkerPool:
+        with open(self.log_path, "ab") as log:
+            for _ in range(processes):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "workers.worker", "--threads", str(threads)],
+                    env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                ))
+        self.wait_ready(processes)
+        return self
+
+    def wait_ready(self, processes: int, timeout_s: float = 30) -> None:
+        """Ready when every process has subscribed to the cancel channel."""
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout_s
+        channel = f"{self.prefix}:cancel"
+        while time.monotonic() < deadline:
+            subscribers = client.pubsub_numsub(channel)[0][1]
+            if subscribers >= processes:
+                client.close()
+                return
+            dead = [p for p in self.procs if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"worker exited during start-up; log: {self.log_tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"workers not ready; log: {self.log_tail()}")
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="session")
+def workers(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
+    pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs")).start()
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def client(redis_url: str, prefix: str) -> Iterator[Client]:
+    c = Client(redis_url, prefix=prefix)
+    yield c
+    c.close()
+
+
+AgentFactory = Callable[..., str]
+
+
+@pytest.fixture
+def make_agent(client: Client) -> AgentFactory:
+    """Register an agent with a unique id: `make_agent("offline:echo", instructions=...)`."""
+
+    def make(model: str | dict[str, Any] = "offline:echo", **fields: Any) -> str:
+        agent_id = f"agent-{uuid.uuid4().hex[:10]}"
+        client.put_agent(AgentConfig.model_validate({"id": agent_id, "model": model, **fields}))
+        return agent_id
+
+    return make
+
+
+def turn(agent_id: str, query: str, **fields: Any) -> dict[str, Any]:
+    """A turn request for the test tenant."""
+    return {"tenant_id": "t1", "app_id": "app", "user_id": "u1", "agent_id": agent_id, "query": query, **fields}

@@ -1,0 +1,115 @@
+"""Test models and tools that worker processes load by import path (`provider: python`).
+
+They are pydantic-ai `FunctionModel`s: they never reach a network, and they record what they did
+to a file the test names, so a test in another process can see how many chunks were produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from pydantic_ai.exceptions import ModelHTTPError
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+
+
+def _record(options: dict[str, Any], line: dict[str, Any]) -> None:
+    path = options.get("record")
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+
+def _last_tool_return(messages: list[ModelMessage]) -> ToolReturnPart | None:
+    last = messages[-1]
+    if isinstance(last, ModelRequest):
+        for part in last.parts:
+            if isinstance(part, ToolReturnPart):
+                return part
+    return None
+
+
+def streaming(options: dict[str, Any]) -> FunctionModel:
+    """Streams `words` words, `delay_ms` apart, recording each chunk it yields and when it stops."""
+    words = int(options.get("words", 50))
+    delay = float(options.get("delay_ms", 20)) / 1000
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        _record(options, {"event": "request"})
+        try:
+            for i in range(words):
+                chunk = f"w{i} "
+                _record(options, {"event": "chunk", "text": chunk})
+                yield chunk
+                await asyncio.sleep(delay)
+        finally:
+            _record(options, {"event": "closed"})
+
+    return FunctionModel(stream_function=stream, model_name="test:streaming")
+
+
+def tool_then_answer(options: dict[str, Any]) -> FunctionModel:
+    """Calls `tool` (with `args`) and answers with what it returned."""
+    tool = options.get("tool", "clock")
+    args = options.get("args", {})
+    before = options.get("say_before", "")
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[Any]:
+        _record(options, {"event": "request", "messages": len(messages)})
+        result = _last_tool_return(messages)
+        if result is None:
+            if before:
+                yield before
+            yield {0: DeltaToolCall(name=tool, json_args=json.dumps(args))}
+            return
+        yield f"The tool said: {result.model_response_str()}"
+
+    return FunctionModel(stream_function=stream, model_name="test:tool")
+
+
+def ask_then_answer(options: dict[str, Any]) -> FunctionModel:
+    """Asks the human a question (`ask_human`), then answers with the reply."""
+    question = options.get("question", "What is your favourite colour?")
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        result = _last_tool_return(messages)
+        if result is None:
+            return ModelResponse(parts=[ToolCallPart("ask_human", {"question": question})])
+        return ModelResponse(parts=[TextPart(f"You answered: {result.model_response_str()}")])
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[Any]:
+        response = respond(messages, info)
+        part = response.parts[0]
+        if isinstance(part, ToolCallPart):
+            yield {0: DeltaToolCall(name=part.tool_name, json_args=part.args_as_json_str())}
+        else:
+            assert isinstance(part, TextPart)
+            yield part.content
+
+    return FunctionModel(respond, stream_function=stream, model_name="test:ask")
+
+
+def failing(options: dict[str, Any]) -> FunctionModel:
+    """Fails with HTTP `status` the first `times` requests (every request by default), recording each."""
+    status = int(options.get("status", 500))
+    times = int(options.get("times", 1_000_000))
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        path = options.get("record")
+        seen = len(Path(path).read_text().splitlines()) if path and Path(path).exists() else 0
+        _record(options, {"event": "request"})
+        if seen < times:
+            raise ModelHTTPError(status_code=status, model_name="test:failing", body={"error": "boom"})
+        yield "recovered after failures"
+
+    return FunctionModel(stream_function=stream, model_name="test:failing")
+
+
+async def slow_tool(seconds: float = 30.0) -> str:
+    """A tool that takes its time (tests cancel during it)."""
+    await asyncio.sleep(seconds)
+    return f"slept {seconds}s"
