@@ -190,3 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = Settings.from_env()
     configure_logging(settings)
     raise SystemExit(args.func(args, settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from pydantic_ai.exceptions import ModelHTTPError
-from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 
 
@@ -21,7 +30,7 @@ def _record(options: dict[str, Any], line: dict[str, Any]) -> None:
     path = options.get("record")
     if path:
         with open(path, "a") as handle:
-            handle.write(json.dumps(line) + "\n")
+            handle.write(json.dumps({**line, "at": time.time()}) + "\n")
 
 
 def _last_tool_return(messages: list[ModelMessage]) -> ToolReturnPart | None:
@@ -52,15 +61,29 @@ def streaming(options: dict[str, Any]) -> FunctionModel:
     return FunctionModel(stream_function=stream, model_name="test:streaming")
 
 
+def _last_user_text(messages: list[ModelMessage]) -> str:
+    for message in reversed(messages):
+        if isinstance(message, ModelRequest):
+            for part in message.parts:
+                if isinstance(part, UserPromptPart) and isinstance(part.content, str):
+                    return part.content
+    return ""
+
+
 def tool_then_answer(options: dict[str, Any]) -> FunctionModel:
-    """Calls `tool` (with `args`) and answers with what it returned."""
+    """Calls `tool` (with `args`) and answers with what it returned; only when the user's last
+    prompt mentions "tool" if `only_when_asked` is set, else it just answers in text."""
     tool = options.get("tool", "clock")
     args = options.get("args", {})
     before = options.get("say_before", "")
+    only_when_asked = bool(options.get("only_when_asked", False))
 
     async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[Any]:
         _record(options, {"event": "request", "messages": len(messages)})
         result = _last_tool_return(messages)
+        if only_when_asked and result is None and "tool" not in _last_user_text(messages):
+            yield f"A plain answer to: {_last_user_text(messages)}"
+            return
         if result is None:
             if before:
                 yield before
