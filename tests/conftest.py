@@ -64,14 +64,15 @@ class WorkerPool:
         }
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, processes: int = 2, threads: int = 8) -> WorkerPool:
+    def start(self, processes: int = 2, threads: int = 8, queues: tuple[str, ...] = ()) -> WorkerPool:
+        command = [sys.executable, "-m", "workers.worker", "--threads", str(threads)]
+        if queues:
+            command += ["--queues", *queues]
         with open(self.log_path, "ab") as log:
             for _ in range(processes):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "workers.worker", "--threads", str(threads)],
-                    env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                ))
-        self.wait_ready(processes)
+                self.procs.append(subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                   cwd=ROOT))
+        self.wait_ready(len(self.procs))
         return self
 
     def wait_ready(self, processes: int, timeout_s: float = 30) -> None:
@@ -116,6 +117,24 @@ def workers(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactor
     pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs")).start()
     yield pool
     pool.stop()
+
+
+@pytest.fixture
+def isolated(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], WorkerPool]]:
+    """Worker pools on a prefix of their own, for tests that must control which queues are served."""
+    name = f"tli{uuid.uuid4().hex[:8]}"
+    pools: list[WorkerPool] = []
+
+    def pool() -> WorkerPool:
+        pools.append(WorkerPool(redis_url, name, tmp_path_factory.mktemp("logs")))
+        return pools[-1]
+
+    yield pool
+    for p in pools:
+        p.stop()
+    r = redis.Redis.from_url(redis_url)
+    for key in r.scan_iter(f"{name}:*", count=1000):
+        r.delete(key)
 
 
 @pytest.fixture

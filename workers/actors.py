@@ -76,7 +76,7 @@ async def resolve(request: object) -> None:
     admission, other = await rt.store.admit(turn_id, cid, score_ms=message.message_timestamp, now=rt.now(),
                                             wake=wake)
     if admission == "cancelled":
-        await rt.end_turn(turn_id, "cancelled", code="cancelled", message="cancelled before it started")
+        await rt.end_turn(turn_id, "cancelled", code="cancelled", message="cancelled before resolve: the turn never started")
     if admission != "admitted":
         log.info("turn_not_admitted", admission=admission, behind=other)
         return

@@ -74,6 +74,7 @@ class DoorbellBroker(RedisBroker):  # type: ignore[misc]
         self._rings: dict[str, list[threading.Event]] = {}
         self._rings_lock = threading.Lock()
         self._listener: Listener | None = None
+        self.closing = False
 
     @property
     def consumer_class(self) -> type[_RedisConsumer]:
@@ -109,6 +110,11 @@ class DoorbellBroker(RedisBroker):  # type: ignore[misc]
             rings = list(self._rings.get(queue_name, ()))
         for ring in rings:
             ring.set()
+
+    def before_shutdown(self) -> None:
+        """Wake every idle consumer so that a stopping worker does not wait out their polls."""
+        self.closing = True
+        self._ring_all()
 
     def _ring_all(self) -> None:
         with self._rings_lock:
@@ -165,8 +171,8 @@ class DoorbellConsumer(_RedisConsumer):  # type: ignore[misc]
 
     def _wait_s(self) -> float:
         # A delay queue holding messages must look at their etas often; otherwise sleep until rung.
-        if self.delayed and self.outstanding_message_count:
-            return 0.1
+        if self.broker.closing or (self.delayed and self.outstanding_message_count):
+            return 0.05
         return self.idle_s
 
     def _decode(self, data: bytes | None) -> dramatiq.MessageProxy | None:

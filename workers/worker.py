@@ -47,6 +47,9 @@ class Boot(Middleware):  # type: ignore[misc]
         set_runtime(Runtime(Store.connect(self.url, self.settings), registry))
         self.watcher = CancelWatcher(registry, broker.listener, self.url, broker.keys)
 
+    def before_worker_shutdown(self, broker: DoorbellBroker, worker: dramatiq.Worker) -> None:
+        broker.before_shutdown()
+
     def after_worker_shutdown(self, broker: DoorbellBroker, worker: dramatiq.Worker) -> None:
         if self.watcher is not None:
             self.watcher.stop()
@@ -96,7 +99,7 @@ def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: 
     configure_logging(settings)
     broker = create_broker(settings, url)
     worker = dramatiq.Worker(broker, queues=set(queues) or None, worker_threads=threads or settings.threads,
-                             worker_timeout=1000)
+                             worker_timeout=100)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
