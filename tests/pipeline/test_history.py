@@ -1,0 +1,113 @@
+"""Thread extraction and history assembly: plain data in, plain data out."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+
+from pipeline.errors import InvalidRequest, SnapshotCorrupt
+from pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
+from pipeline.records import MessageRecord
+
+
+def msg(id: str, parent: str | None, *, query: str = "", answer: str = "", status: str = "succeeded",
+        at: float = 0.0) -> MessageRecord:
+    return MessageRecord(id=id, conversation_id="c", parent_id=parent, turn_id=id, query=query or f"q-{id}",
+                         answer=answer or f"a-{id}", status=status, created_at=at)  # type: ignore[arg-type]
+
+
+def newest_first(*records: MessageRecord) -> list[MessageRecord]:
+    return sorted(records, key=lambda m: m.created_at, reverse=True)
+
+
+def test_linear_thread_oldest_first() -> None:
+    records = newest_first(msg("a", None, at=1), msg("b", "a", at=2), msg("c", "b", at=3))
+    thread, truncated = extract_thread(records, "c")
+    assert [m.id for m in thread] == ["a", "b", "c"] and not truncated
+
+
+def test_branch_keeps_only_the_path_to_the_start() -> None:
+    # b1 and b2 both answer a (b2 is an edit); c follows b1
+    records = newest_first(msg("a", None, at=1), msg("b1", "a", at=2), msg("b2", "a", at=3), msg("c", "b1", at=4))
+    assert [m.id for m in extract_thread(records, "c")[0]] == ["a", "b1", "c"]
+    assert [m.id for m in extract_thread(records, "b2")[0]] == ["a", "b2"]
+
+
+def test_unrelated_regeneration_root_between_a_message_and_its_parent_does_not_cut_the_thread() -> None:
+    """Dify's walk stops at the first parentless message it meets in time order, even when that
+    regenerated root belongs to another branch, silently dropping the real history."""
+    records = newest_first(
+        msg("root1", None, at=1),
+        msg("m2", "root1", at=2),
+        msg("root2", None, at=3),  # a regeneration of the first message: another branch
+        msg("m4", "m2", at=4),  # continues the first branch
+    )
+    thread, truncated = extract_thread(records, "m4")
+    assert [m.id for m in thread] == ["root1", "m2", "m4"] and not truncated
+
+
+def test_read_bound_truncates_and_says_so() -> None:
+    records = newest_first(msg("b", "a", at=2), msg("c", "b", at=3))  # "a" fell outside the bounded read
+    thread, truncated = extract_thread(records, "c")
+    assert [m.id for m in thread] == ["b", "c"] and truncated
+
+
+def test_no_parent_means_no_history() -> None:
+    assert extract_thread([msg("a", None)], None) == ([], False)
+
+
+def test_unknown_parent_is_a_clear_error() -> None:
+    with pytest.raises(InvalidRequest, match="not in this conversation"):
+        extract_thread([msg("a", None)], "zzz")
+
+
+def test_a_cycle_is_reported_not_looped() -> None:
+    with pytest.raises(SnapshotCorrupt):
+        extract_thread([msg("a", "b"), msg("b", "a")], "a")
+
+
+@st.composite
+def trees(draw: st.DrawFn) -> list[MessageRecord]:
+    """Random message trees: each message's parent is any earlier message, or none (a new root)."""
+    size = draw(st.integers(min_value=1, max_value=40))
+    records = []
+    for i in range(size):
+        parent = draw(st.one_of(st.none(), st.integers(0, i - 1))) if i else None
+        records.append(msg(f"m{i}", None if parent is None else f"m{parent}", at=float(i)))
+    return records
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees(), st.data())
+def test_thread_is_exactly_the_parent_chain(records: list[MessageRecord], data: st.DataObject) -> None:
+    start = data.draw(st.sampled_from(records))
+    by_id = {m.id: m for m in records}
+    expected: list[str] = []
+    current: str | None = start.id
+    while current is not None:
+        expected.append(current)
+        current = by_id[current].parent_id
+    thread, truncated = extract_thread(newest_first(*records), start.id)
+    assert [m.id for m in thread] == expected[::-1] and not truncated
+    assert thread[0].parent_id is None
+    assert all(child.parent_id == parent.id for parent, child in zip(thread, thread[1:], strict=False))
+
+
+def test_assembly_uses_stored_messages_and_falls_back_to_text() -> None:
+    stored = [ModelRequest(parts=[UserPromptPart("q-a")]), ModelResponse(parts=[TextPart("stored answer")])]
+    thread = [msg("a", None), msg("b", "a", query="imported", answer="old text"),
+              msg("c", "b", status="failed", answer="")]
+    history, decision = assemble_history(thread, {"a": stored})
+    assert history[:2] == stored
+    assert [type(m).__name__ for m in history[2:]] == ["ModelRequest", "ModelResponse"]
+    assert history[2].parts[0].content == "imported"  # type: ignore[union-attr]
+    assert (decision.from_snapshots, decision.from_text) == (1, 1)  # a failed turn with nothing stored adds nothing
+
+
+def test_stored_messages_round_trip_and_corruption_is_a_stable_error() -> None:
+    messages = [ModelRequest(parts=[UserPromptPart("hi")]), ModelResponse(parts=[TextPart("hello")])]
+    assert decode_messages(encode_messages(messages), where="x") == messages
+    with pytest.raises(SnapshotCorrupt, match="message m1"):
+        decode_messages(b'[{"kind": "nonsense"}]', where="message m1")

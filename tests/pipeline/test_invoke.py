@@ -1,0 +1,197 @@
+"""The invoke runner and persist preparation with real pydantic-ai runs (FunctionModel/TestModel)
+and an in-memory event sink; no Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pydantic_ai import CancellationToken, models
+from pydantic_ai.exceptions import ModelHTTPError
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+from pydantic_ai.models.test import TestModel
+
+from pipeline.config import AgentConfig
+from pipeline.history import decode_messages
+from pipeline.invoke import InvokeOutcome, TextDebouncer, build_tools, model_error_code, run_turn
+from pipeline.models import StrictSystemModel, build_model, chat_answer, profile_for
+from pipeline.persist import prepare_snapshot, run_answer
+from pipeline.records import ResolvedTurn
+
+models.ALLOW_MODEL_REQUESTS = False
+
+
+def resolved(**config: Any) -> ResolvedTurn:
+    cfg = AgentConfig.model_validate({"id": "bot", "model": "offline:echo", **config})
+    return ResolvedTurn(turn_id="t1", conversation_id="c1", message_id="t1", parent_message_id=None,
+                        new_conversation=True, config_ref="v1", config=cfg, instructions="SECRET INSTRUCTIONS",
+                        query="hello", deadline_s=30, accepted_at=0, tenant_id="t", app_id="a", user_id="u")
+
+
+async def run(model: Any, turn: ResolvedTurn | None = None, *, cancel_after: float | None = None,
+              timeout_s: float = 10, history: list[ModelMessage] | None = None) -> tuple[InvokeOutcome, list[dict]]:
+    turn = turn or resolved()
+    sink: list[dict[str, Any]] = []
+
+    async def emit(event: dict[str, Any]) -> None:
+        sink.append(event)
+
+    token = CancellationToken()
+    if cancel_after is not None:
+        asyncio.get_running_loop().call_later(cancel_after, token.cancel)
+    outcome = await run_turn(turn, history or [], model=model, tools=build_tools(turn.config.tools, allow_python=False),
+                             attempt=1, sink=emit, token=token, clock=lambda: 0.0, timeout_s=timeout_s,
+                             debounce_s=0.01)
+    return outcome, sink
+
+
+def words_model(n: int, delay: float) -> FunctionModel:
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        for i in range(n):
+            yield f"w{i} "
+            await asyncio.sleep(delay)
+
+    return FunctionModel(stream_function=stream)
+
+
+def both(respond: Any) -> FunctionModel:
+    """A FunctionModel that answers `respond` whether the run streams (it does, with an event
+    stream handler) or not."""
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[Any]:
+        for i, part in enumerate(respond(messages, info).parts):
+            if isinstance(part, ToolCallPart):
+                yield {i: DeltaToolCall(name=part.tool_name, json_args=part.args_as_json_str(),
+                                        tool_call_id=part.tool_call_id)}
+            else:
+                yield part.content
+
+    return FunctionModel(respond, stream_function=stream)
+
+
+def text_of(sink: list[dict[str, Any]]) -> str:
+    return "".join(e["text"] for e in sink if e["type"] == "text_delta")
+
+
+def test_debouncer_flushes_on_window_and_size() -> None:
+    d = TextDebouncer(window_s=0.1, max_chars=10)
+    assert d.add("abc", now=0.0) is None and not d.due(0.05) and d.due(0.1)
+    assert d.wait_s(0.04) == pytest.approx(0.06)
+    assert d.add("defghijk", now=0.06) == "abcdefghijk"  # the size cap flushes at once
+    assert d.flush() is None and d.wait_s(1.0) is None
+
+
+async def test_success_streams_and_stores_no_instructions() -> None:
+    outcome, sink = await run(words_model(20, 0.001))
+    assert outcome.status == "succeeded" and text_of(sink) == outcome.answer
+    assert len([e for e in sink if e["type"] == "text_delta"]) < 20  # debounced
+    stored = decode_messages(outcome.snapshot or "", where="test")
+    assert all(m.instructions is None for m in stored if isinstance(m, ModelRequest))
+    assert "SECRET INSTRUCTIONS" not in (outcome.snapshot or "")
+
+
+async def test_cancel_keeps_the_streamed_text_as_the_answer() -> None:
+    outcome, sink = await run(words_model(200, 0.01), cancel_after=0.15)
+    assert (outcome.status, outcome.code) == ("cancelled", "cancelled")
+    assert outcome.answer and text_of(sink) == outcome.answer
+    stored = decode_messages(outcome.snapshot or "", where="test")
+    assert isinstance(stored[-1], ModelResponse) and stored[-1].state == "interrupted"
+
+
+async def test_deadline_is_timed_out() -> None:
+    outcome, _ = await run(words_model(200, 0.01), timeout_s=0.1)
+    assert (outcome.status, outcome.code) == ("timed_out", "timed_out")
+
+
+@pytest.mark.parametrize(("status", "code", "transient"), [(429, "model_rate_limited", True),
+                                                           (503, "model_unavailable", True),
+                                                           (400, "model_bad_request", False)])
+async def test_model_errors_map_to_stable_codes(status: int, code: str, transient: bool) -> None:
+    def fail(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        raise ModelHTTPError(status_code=status, model_name="x")
+
+    async def fail_stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        raise ModelHTTPError(status_code=status, model_name="x")
+        yield ""
+
+    outcome, _ = await run(FunctionModel(fail, stream_function=fail_stream))
+    assert (outcome.status, outcome.code, outcome.transient) == ("failed", code, transient)
+    assert model_error_code(ModelHTTPError(status_code=status, model_name="x")) == (code, transient)
+
+
+async def test_tool_loop_emits_tool_events_and_records_activity() -> None:
+    outcome, sink = await run(TestModel(call_tools=["clock"]), resolved(tools=["clock"]))
+    kinds = [e["type"] for e in sink]
+    assert kinds.index("tool_call") < kinds.index("tool_result")
+    assert [(t.name, t.outcome) for t in outcome.tools] == [("clock", "success")]
+    assert outcome.usage.requests == 2
+
+
+async def test_ask_human_pauses_with_the_question_as_answer() -> None:
+    def ask(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        return ModelResponse(parts=[ToolCallPart("ask_human", {"question": "Which size?"}, tool_call_id="q1")])
+
+    outcome, _ = await run(both(ask), resolved(tools=["ask_human"]))
+    assert outcome.status == "paused" and outcome.answer == "Which size?"
+    assert outcome.pending_tool_calls == [{"tool_call_id": "q1", "name": "ask_human",
+                                           "args": {"question": "Which size?"}}]
+    stored = decode_messages(outcome.snapshot or "", where="test")
+    assert isinstance(stored[-1], ModelResponse) and stored[-1].state == "complete"  # open for the resume
+
+    resume = resolved(tools=["ask_human"]).model_copy(update={"deferred_answers": {"q1": "XL"}, "query": "", "turn_id": "t2"})
+
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        result = next(p for p in messages[-1].parts if isinstance(p, ToolReturnPart))
+        return ModelResponse(parts=[TextPart(f"size {result.content}")])
+
+    resumed, _ = await run(both(answer), resume, history=stored)
+    assert (resumed.status, resumed.answer) == ("succeeded", "size XL")
+
+
+def test_prepare_snapshot_marks_a_trailing_call_interrupted_unless_paused() -> None:
+    call = ModelResponse(parts=[ToolCallPart("clock", {}, tool_call_id="x")])
+    request = ModelRequest(parts=[UserPromptPart("hi")], instructions="SECRET")
+    stored = prepare_snapshot([request, call], paused=False)
+    assert stored is not None and stored[0].instructions is None  # type: ignore[union-attr]
+    assert stored[-1].state == "interrupted"  # type: ignore[union-attr]
+    assert prepare_snapshot([request, call], paused=True)[-1].state == "complete"  # type: ignore[index,union-attr]
+    assert prepare_snapshot([], paused=False) is None
+    assert run_answer([request, ModelResponse(parts=[TextPart("par"), TextPart("tial")])]) == "partial"
+
+
+async def test_offline_echo_describes_exactly_what_it_received() -> None:
+    model = build_model(AgentConfig.model_validate({"id": "b", "model": "offline:echo"}).model, env={})
+    history = [ModelRequest(parts=[UserPromptPart("earlier")]), ModelResponse(parts=[TextPart("reply")])]
+    outcome, _ = await run(model, resolved(tools=["clock"]), history=history)
+    assert json.loads(outcome.answer) == {
+        "system": "SECRET INSTRUCTIONS",
+        "messages": [{"role": "user", "text": "earlier"}, {"role": "assistant", "text": "reply"},
+                     {"role": "user", "text": "hello"}],
+        "tools": ["clock"],
+    }
+
+
+def test_offline_chat_refers_to_earlier_turns() -> None:
+    history = [ModelRequest(parts=[UserPromptPart("one")]), ModelResponse(parts=[TextPart("x")]),
+               ModelRequest(parts=[UserPromptPart("two")])]
+    answer = chat_answer(history)
+    assert '"two"' in answer and '"one"' in answer and "2 messages" in answer
+
+
+def test_strict_profile_is_a_flag_of_the_config() -> None:
+    spec = AgentConfig.model_validate({"id": "b", "model": {"provider": "offline", "name": "echo",
+                                                            "strict_system": False}}).model
+    assert not profile_for(spec).single_leading_system
+    assert isinstance(build_model(spec, env={}), StrictSystemModel)

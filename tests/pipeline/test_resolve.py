@@ -1,0 +1,147 @@
+"""Turn request parsing, config documents and the resolve stage's decisions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pipeline.config import AgentConfig, expand_variables, parse_agent_config, whitelisted_settings
+from pipeline.contracts import extract_turn_id, parse_turn_request
+from pipeline.errors import Forbidden, InvalidRequest, SessionConfigurationChanged
+from pipeline.records import ConversationRecord
+from pipeline.resolve import ConfigRef, choose_config, resolve_turn
+
+
+def request(**fields: Any) -> dict[str, Any]:
+    return {"schema": "threadline.turn/v1", "tenant_id": "t", "app_id": "a", "user_id": "u", "agent_id": "bot",
+            "query": "hello", **fields}
+
+
+def parse(raw: object, limit: int = 100) -> Any:
+    return parse_turn_request(raw, fallback_turn_id="msg-1", max_query_chars=limit)
+
+
+def conversation(**fields: Any) -> ConversationRecord:
+    base = {"id": "c1", "tenant_id": "t", "app_id": "a", "user_id": "u", "agent_id": "bot", "config_ref": "v2",
+            "layers": ["history"], "tip": "m9"}
+    return ConversationRecord.model_validate({**base, **fields})
+
+
+CONFIG = AgentConfig.model_validate({"id": "bot", "model": "offline:echo", "instructions": "Help {{name}}.",
+                                     "settings": {"temperature": 0.1}})
+
+
+def test_request_from_json_text_or_object_and_turn_id_fallback() -> None:
+    assert parse(json.dumps(request())).turn_id == "msg-1"
+    assert parse(request(turn_id="t-1")).turn_id == "t-1"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("{oops", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (request(query=""), "query is empty"),
+        (request(query="   \n"), "query is empty"),
+        (request(query="x" * 101), "the limit is 100"),
+        ({k: v for k, v in request().items() if k != "agent_id"}, "agent_id"),
+        (request(schema="threadline.turn/v2"), "schema"),
+        (request(surprise=1), "surprise"),
+        (request(turn_id="has space"), "turn_id"),
+        (request(invoke_from="draft"), "draft_id"),
+        (request(deferred_tool_results={"calls": {"x": 1}}), "conversation_id"),
+    ],
+)
+def test_bad_requests_are_invalid_with_a_clear_message(raw: object, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        parse(raw)
+
+
+def test_turn_id_of_an_invalid_request_is_still_found() -> None:
+    assert extract_turn_id(json.dumps({"turn_id": "t-9", "query": ""})) == "t-9"
+    assert extract_turn_id("{oops") is None and extract_turn_id({"turn_id": "bad id"}) is None
+
+
+def test_new_conversation_uses_the_active_version_and_existing_one_keeps_its_own() -> None:
+    assert choose_config(parse(request()), None) == ConfigRef("active")
+    assert choose_config(parse(request(conversation_id="c1")), conversation()) == ConfigRef("version", "2")
+    draft = parse(request(invoke_from="draft", draft_id="d1"))
+    assert choose_config(draft, None) == ConfigRef("draft", "d1")
+
+
+def test_draft_and_published_surfaces_do_not_mix() -> None:
+    with pytest.raises(Forbidden):
+        choose_config(parse(request(invoke_from="draft", draft_id="d1", conversation_id="c1")), conversation())
+    with pytest.raises(Forbidden):
+        choose_config(parse(request(conversation_id="c1")), conversation(config_ref="draft:d1"))
+
+
+def resolve(req: dict[str, Any], conv: ConversationRecord | None = None, config: AgentConfig = CONFIG) -> Any:
+    return resolve_turn(parse(req), conversation=conv, config=config, config_ref="v2", new_conversation_id="c-new",
+                        now=100.0)
+
+
+def test_resolve_pins_config_expands_variables_and_whitelists_settings() -> None:
+    resolved, decision = resolve(request(inputs={"name": "Ada"}))
+    assert resolved.instructions == "Help Ada."
+    assert resolved.conversation_id == "c-new" and resolved.parent_message_id is None
+    assert resolved.config.settings == {"temperature": 0.1, "max_tokens": 1024}
+    assert resolved.deadline_s == 120 and decision.missing_variables == []
+    _, decision = resolve(request())
+    assert decision.missing_variables == ["name"]
+
+
+def test_existing_conversation_continues_from_the_tip_or_branches() -> None:
+    assert resolve(request(conversation_id="c1"), conversation())[0].parent_message_id == "m9"
+    assert resolve(request(conversation_id="c1", parent_message_id="m3"), conversation())[0].parent_message_id == "m3"
+    assert resolve(request(conversation_id="c1", parent_message_id="root"), conversation())[0].parent_message_id is None
+
+
+def test_scope_is_checked() -> None:
+    with pytest.raises(Forbidden):
+        resolve(request(conversation_id="c1", user_id="someone-else"), conversation())
+    with pytest.raises(Forbidden):
+        resolve(request(conversation_id="c1", tenant_id="other"), conversation())
+
+
+def test_layer_topology_change_ends_the_session_but_value_edits_keep_it() -> None:
+    changed = CONFIG.model_copy(update={"layers": ["history", "tools"]})
+    with pytest.raises(SessionConfigurationChanged) as e:
+        resolve(request(conversation_id="c1"), conversation(), changed)
+    assert e.value.code == "agent_session_configuration_changed"
+    edited = CONFIG.model_copy(update={"instructions": "Totally new prompt."})
+    assert resolve(request(conversation_id="c1"), conversation(), edited)[0].instructions == "Totally new prompt."
+
+
+def test_resume_must_answer_exactly_the_pending_calls() -> None:
+    paused = conversation(pending_tool_calls=[{"tool_call_id": "call-1", "name": "ask_human", "args": {}}])
+    ok = resolve(request(conversation_id="c1", query="", deferred_tool_results={"calls": {"call-1": "blue"}}), paused)
+    assert ok[0].deferred_answers == {"call-1": "blue"}
+    with pytest.raises(InvalidRequest, match="unknown or already answered"):
+        resolve(request(conversation_id="c1", query="", deferred_tool_results={"calls": {"call-2": "x"}}), paused)
+    with pytest.raises(InvalidRequest, match="nothing to resume"):
+        resolve(request(conversation_id="c1", query="", deferred_tool_results={"calls": {"call-1": "x"}}),
+                conversation())
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ("id: x\nmodel: offline:echo\nsettings: {seed: 3}\n", "settings not allowed"),
+        ("id: x\nmodel: {provider: openai, name: gpt, api_key: sk-123}\n", "never put an API key"),
+        ("id: x\nmodel: offline:echo\ntools: [rm_rf]\n", "unknown tools"),
+        ("id: x\nmodel: nonsense\n", "provider:name"),
+        ("- not a mapping\n", "must be a mapping"),
+        ("id: x\nmodel: offline:echo\n  bad: [indent\n", "not valid YAML"),
+    ],
+)
+def test_bad_configs_are_refused_with_a_clear_message(doc: str, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        parse_agent_config(doc)
+
+
+def test_settings_whitelist_and_variables() -> None:
+    assert whitelisted_settings({"temperature": 1, "seed": 2, "top_p": 0.5}) == {"temperature": 1, "top_p": 0.5}
+    assert expand_variables("Hi {{ name }}, {{missing}}!", {"name": "Ada"}) == ("Hi Ada, !", ["missing"])
