@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_ai import (
@@ -44,7 +44,6 @@ from pydantic_ai.messages import (
     FunctionToolResultEvent,
     ImageUrl,
     ModelMessage,
-    ModelResponse,
     PartDeltaEvent,
     PartStartEvent,
     TextPart,
@@ -53,6 +52,7 @@ from pydantic_ai.messages import (
     UserContent,
 )
 from pydantic_ai.models import Model
+from pydantic_ai.settings import ModelSettings
 
 from . import events
 from .contracts import TerminalType, Usage
@@ -156,7 +156,7 @@ class TurnStream:
         self._queue.put_nowait(None)
         await asyncio.shield(self._writer)
 
-    async def handle(self, ctx: RunContext[Any], stream: AsyncIterable[AgentStreamEvent]) -> None:
+    async def handle(self, ctx: RunContext[TurnDeps], stream: AsyncIterable[AgentStreamEvent]) -> None:
         async for event in stream:
             self.observe(event)
 
@@ -318,7 +318,7 @@ async def run_turn(
                     message_history=list(history) or None,
                     deferred_tool_results=deferred,
                     instructions=run_instructions(turn),
-                    model_settings=turn.config.settings,  # type: ignore[arg-type]
+                    model_settings=cast(ModelSettings, turn.config.settings),
                     deps=TurnDeps(now=clock),
                     cancellation_token=token,
                     timeout=max(timeout_s, 0.001),

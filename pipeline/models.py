@@ -56,7 +56,7 @@ class StrictSystemModel(WrapperModel):
         self.threadline_profile = profile
 
     @property
-    def profile(self) -> ModelProfile:  # type: ignore[override]
+    def profile(self) -> ModelProfile:
         # Mid-history system parts must reach `_normalise` as system parts, not rewritten into
         # `<system>` user text first, so that they can be merged into the leading message.
         if not self.threadline_profile.single_leading_system:
@@ -262,4 +262,4 @@ def _prompt_text(part: UserPromptPart) -> str:
     return " ".join(item for item in part.content if isinstance(item, str))
 
 
-__all__ = ["ProviderProfile", "StrictSystemModel", "build_model", "offline_model", "SystemPromptPart"]
+__all__ = ["ProviderProfile", "StrictSystemModel", "SystemPromptPart", "build_model", "offline_model"]

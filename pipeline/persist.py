@@ -6,7 +6,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+)
 
 from .contracts import Usage
 from .records import MessageRecord, MessageStatus, ResolvedTurn, ToolActivity

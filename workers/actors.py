@@ -58,9 +58,15 @@ async def _not_live(begin: Begin, turn_id: str, stage: Stage) -> bool:
     return True
 
 
+def _current_message() -> dramatiq.Message[Any]:
+    message = CurrentMessage.get_current_message()
+    assert message is not None, "the CurrentMessage middleware is installed"
+    return message
+
+
 async def resolve(request: object) -> None:
     rt = runtime()
-    message = CurrentMessage.get_current_message()
+    message = _current_message()
     turn_id = extract_turn_id(request) or message.message_id
     structlog.contextvars.bind_contextvars(turn_id=turn_id)
     try:
@@ -76,7 +82,8 @@ async def resolve(request: object) -> None:
     admission, other = await rt.store.admit(turn_id, cid, score_ms=message.message_timestamp, now=rt.now(),
                                             wake=wake)
     if admission == "cancelled":
-        await rt.end_turn(turn_id, "cancelled", code="cancelled", message="cancelled before resolve: the turn never started")
+        await rt.end_turn(turn_id, "cancelled", code="cancelled",
+                          message="cancelled before resolve: the turn never started")
     if admission != "admitted":
         log.info("turn_not_admitted", admission=admission, behind=other)
         return
@@ -201,10 +208,11 @@ async def invoke(envelope: dict[str, Any]) -> None:
             await rt.end_turn(env.turn_id, "failed", code=e.code, message=e.message, resolved=turn)
             return
         async with _claim_heartbeat(env.turn_id):
+            deadline_at = begin.deadline_at or rt.now() + turn.deadline_s
             outcome = await run_turn(
-                turn, history, model=model, tools=tools, attempt=begin.attempt, sink=partial(rt.store.emit, env.turn_id),
-                token=token, clock=rt.now, timeout_s=(begin.deadline_at or rt.now() + turn.deadline_s) - rt.now(),
-                debounce_s=rt.settings.debounce_ms / 1000,
+                turn, history, model=model, tools=tools, attempt=begin.attempt,
+                sink=partial(rt.store.emit, env.turn_id), token=token, clock=rt.now,
+                timeout_s=deadline_at - rt.now(), debounce_s=rt.settings.debounce_ms / 1000,
             )
         log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump())
         if outcome.transient and begin.attempt < rt.settings.max_invoke_attempts:
@@ -284,7 +292,7 @@ ACTORS: dict[str, tuple[Callable[..., Coroutine[Any, Any, None]], str]] = {
 def declare_actors(broker: dramatiq.Broker) -> dict[str, dramatiq.Actor[Any, Any]]:
     """Register the actors on `broker`; their names are the public queue contract."""
     return {
-        name: dramatiq.actor(fn, actor_name=name, queue_name=queue, broker=broker, max_retries=MAX_RETRIES,
-                             priority=0 if name == "cancel" else 10)
+        name: dramatiq.actor(actor_name=name, queue_name=queue, broker=broker, max_retries=MAX_RETRIES,
+                             priority=0 if name == "cancel" else 10)(fn)
         for name, (fn, queue) in ACTORS.items()
     }

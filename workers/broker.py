@@ -53,7 +53,7 @@ def build_message(
     if delay_ms:
         target = f"{queue}.DQ"
         options["eta"] = now_ms + delay_ms
-    message = Message(
+    message: Message[Any] = Message(
         queue_name=target,
         actor_name=actor,
         args=args,
@@ -65,9 +65,9 @@ def build_message(
     return target, message_id, message.encode()
 
 
-class DoorbellBroker(RedisBroker):  # type: ignore[misc]
+class DoorbellBroker(RedisBroker):
     def __init__(self, *, settings: Settings, url: str, **kwargs: Any) -> None:
-        super().__init__(url=url, namespace=settings.broker_namespace, **kwargs)
+        super().__init__(url=url, namespace=settings.broker_namespace, **kwargs)  # type: ignore[no-untyped-call]
         self.settings = settings
         self.keys = Keys(settings.prefix)
         self.url = url
@@ -100,7 +100,7 @@ class DoorbellBroker(RedisBroker):  # type: ignore[misc]
         _ = self.listener
         return DoorbellConsumer(self, queue_name, prefetch, idle_ms, ring)
 
-    def enqueue(self, message: Message, *, delay: int | None = None) -> Message:
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         enqueued = super().enqueue(message, delay=delay)
         self.client.publish(self.keys.doorbell_channel(), enqueued.queue_name)
         return enqueued
@@ -128,24 +128,26 @@ class DoorbellBroker(RedisBroker):  # type: ignore[misc]
         super().close()
 
 
-class DoorbellConsumer(_RedisConsumer):  # type: ignore[misc]
+class DoorbellConsumer(_RedisConsumer):
+    broker: DoorbellBroker
+
     def __init__(
         self, broker: DoorbellBroker, queue_name: str, prefetch: int, idle_ms: int, ring: threading.Event
     ) -> None:
-        super().__init__(broker, queue_name, prefetch, idle_ms)
+        super().__init__(broker, queue_name, prefetch, idle_ms)  # type: ignore[no-untyped-call]
         self.ring = ring
         self.idle_s = idle_ms / 1000
         self.delayed = queue_name.endswith(".DQ")
 
-    def ack(self, message: Message) -> None:
+    def ack(self, message: dramatiq.MessageProxy) -> None:
         try:
-            super().ack(message)
+            super().ack(message)  # type: ignore[no-untyped-call]
         finally:
             self.ring.set()  # capacity freed: fetch again now
 
-    def nack(self, message: Message) -> None:
+    def nack(self, message: dramatiq.MessageProxy) -> None:
         try:
-            super().nack(message)
+            super().nack(message)  # type: ignore[no-untyped-call]
         finally:
             self.ring.set()
 
@@ -167,7 +169,7 @@ class DoorbellConsumer(_RedisConsumer):  # type: ignore[misc]
                     self.ring.wait(self._wait_s())
                     return None
         except redis.ConnectionError as e:
-            raise ConnectionClosed(e) from None
+            raise ConnectionClosed(e) from None  # type: ignore[no-untyped-call]
 
     def _wait_s(self) -> float:
         # A delay queue holding messages must look at their etas often; otherwise sleep until rung.
@@ -198,11 +200,11 @@ class DoorbellConsumer(_RedisConsumer):  # type: ignore[misc]
         log.error("undecodable_message_dead_lettered", queue=self.queue_name, redis_message_id=redis_id)
 
 
-class LogContext(Middleware):  # type: ignore[misc]
+class LogContext(Middleware):
     """Binds turn_id, stage and attempt to every log line of a message (structlog contextvars
     propagate into the actor's task on the event loop)."""
 
-    def before_process_message(self, broker: RedisBroker, message: Message) -> None:
+    def before_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy) -> None:
         structlog.contextvars.clear_contextvars()
         fields: dict[str, Any] = {"stage": message.actor_name, "message_id": message.message_id}
         arg = message.args[0] if message.args else None
@@ -212,11 +214,12 @@ class LogContext(Middleware):  # type: ignore[misc]
                     fields[name] = arg[name]
         structlog.contextvars.bind_contextvars(**fields)
 
-    def after_process_message(self, broker: RedisBroker, message: Message, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
+    def after_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy, *,
+                              result: Any = None, exception: BaseException | None = None) -> None:
         structlog.contextvars.clear_contextvars()
 
-    after_skip_message = after_process_message
+    def after_skip_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy) -> None:
+        structlog.contextvars.clear_contextvars()
 
 
 def make_broker(settings: Settings, url: str, *, extra: list[Middleware] | None = None) -> DoorbellBroker:

@@ -18,11 +18,12 @@ from pydantic_ai.messages import ModelMessage
 from pipeline.config import AgentConfig, config_to_json, parse_agent_config
 from pipeline.contracts import TERMINAL_TYPES, TURN_SCHEMA
 from pipeline.history import encode_messages, extract_thread
-from pipeline.records import ConversationRecord, MessageRecord
+from pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
 
 from .broker import build_message
 from .keys import Keys
 from .settings import Settings
+from .store import as_bytes, text, text_map
 
 
 class Client:
@@ -88,8 +89,8 @@ class Client:
         """Ask the control queue to cancel a turn. Returns "enqueued", or "noop: <status>" when the
         turn has already finished (cancelling a finished turn changes nothing)."""
         status = self.redis.hget(self.keys.turn(turn_id), "status")
-        if status is not None and status.decode() in TERMINAL_TYPES:
-            return f"noop: {status.decode()}"
+        if status is not None and text(status) in TERMINAL_TYPES:
+            return f"noop: {text(status)}"
         queue, mid, data = build_message("control", "cancel", (turn_id, reason), message_id=uuid.uuid4().hex,
                                          now_ms=int(time.time() * 1000))
         pipe = self.redis.pipeline(transaction=True)
@@ -111,10 +112,10 @@ class Client:
                 if remaining <= 0:
                     raise TimeoutError(f"turn {turn_id} did not finish in {timeout_s} s")
                 block = max(1, int(min(remaining, 1.0) * 1000))
-            reply = self.redis.xread({key: after}, block=block, count=500)
+            reply: Any = self.redis.xread({key: after}, block=block, count=500)
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
-                after = entry_id.decode()
+                after = text(entry_id)
                 event = json.loads(fields[b"json"])
                 yield event
                 if event["type"] in TERMINAL_TYPES:
@@ -130,20 +131,13 @@ class Client:
         raise TimeoutError(turn_id)
 
     def turn_state(self, turn_id: str) -> dict[str, str]:
-        return {a.decode(): b.decode() for a, b in self.redis.hgetall(self.keys.turn(turn_id)).items()}
+        return text_map(self.redis.hgetall(self.keys.turn(turn_id)))
 
     # --- conversations -------------------------------------------------------------------------
 
     def conversation(self, conversation_id: str) -> ConversationRecord | None:
-        raw = {a.decode(): b.decode() for a, b in self.redis.hgetall(self.keys.conversation(conversation_id)).items()}
-        if not raw:
-            return None
-        return ConversationRecord(
-            id=conversation_id, tenant_id=raw["tenant_id"], app_id=raw["app_id"], user_id=raw["user_id"],
-            agent_id=raw["agent_id"], config_ref=raw["config_ref"], layers=json.loads(raw["layers"]),
-            revision=int(raw.get("revision", 0)), tip=raw.get("tip") or None,
-            pending_tool_calls=json.loads(raw.get("pending") or "[]"),
-        )
+        fields = text_map(self.redis.hgetall(self.keys.conversation(conversation_id)))
+        return conversation_from_hash(conversation_id, fields)
 
     def messages(self, conversation_id: str) -> list[MessageRecord]:
         rows = self.redis.hvals(self.keys.messages(conversation_id))
@@ -172,9 +166,11 @@ class Client:
         pydantic-ai messages it added, or None for a text-only message). The conversation is
         pinned to the agent's active version. Returns the id of the last message (the tip)."""
         active = self.redis.hget(self.keys.agent(agent_id), "active")
-        if active is None:
+        stored = self.redis.get(self.keys.agent_version(agent_id, text(active))) if active is not None else None
+        if active is None or stored is None:
             raise ValueError(f"agent {agent_id!r} is not registered")
-        config = AgentConfig.model_validate_json(self.redis.get(self.keys.agent_version(agent_id, active.decode())))
+        version = text(active)
+        config = AgentConfig.model_validate_json(stored)
         if self.redis.exists(self.keys.conversation(conversation_id)):
             raise ValueError(f"conversation {conversation_id!r} exists")
         pipe = self.redis.pipeline(transaction=True)
@@ -192,7 +188,7 @@ class Client:
             parent = message_id
         pipe.hset(self.keys.conversation(conversation_id), mapping={
             "tenant_id": tenant_id, "app_id": app_id, "user_id": user_id, "agent_id": agent_id,
-            "config_ref": f"v{active.decode()}", "layers": json.dumps(layers or config.layers),
+            "config_ref": f"v{version}", "layers": json.dumps(layers or config.layers),
             "revision": len(turns), "tip": parent or "", "pending": "[]", "created_at": repr(now),
             "message_seq": len(turns),
         })
@@ -200,5 +196,4 @@ class Client:
         return parent or ""
 
     def snapshot(self, conversation_id: str, message_id: str) -> bytes | None:
-        value: bytes | None = self.redis.hget(self.keys.snapshots(conversation_id), message_id)
-        return value
+        return as_bytes(self.redis.hget(self.keys.snapshots(conversation_id), message_id))

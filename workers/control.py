@@ -62,9 +62,12 @@ class CancelWatcher:
         self._client = redis.Redis.from_url(url, socket_timeout=5)
         self._poll_s = poll_s
         self._stop = threading.Event()
-        listener.on(keys.cancel_channel(), self.registry.cancel)
+        listener.on(keys.cancel_channel(), self._on_cancel)
         self._thread = threading.Thread(target=self._poll, name="threadline-cancel-poll", daemon=True)
         self._thread.start()
+
+    def _on_cancel(self, turn_id: str) -> None:
+        self.registry.cancel(turn_id)
 
     def stop(self) -> None:
         self._stop.set()

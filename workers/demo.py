@@ -32,7 +32,8 @@ def run_demo(settings: Settings, *, delay_ms: int) -> int:
     try:
         text = resources.files("workers").joinpath("demo_agent.yaml").read_text()
         config = parse_agent_config(text)
-        config = config.model_copy(update={"model": config.model.model_copy(update={"options": {"delay_ms": delay_ms}})})
+        model = config.model.model_copy(update={"options": {"delay_ms": delay_ms}})
+        config = config.model_copy(update={"model": model})
         version = client.put_agent(config)
         print(f"Threadline demo: {settings.processes} worker processes on {url}; agent {config.id} {version}\n")
         return _conversation(client, config.id)

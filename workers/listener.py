@@ -65,7 +65,7 @@ class Listener:
 
     def _listen(self) -> None:
         client = redis.Redis.from_url(self._url, socket_connect_timeout=2)
-        pubsub = client.pubsub()
+        pubsub = client.pubsub()  # type: ignore[no-untyped-call]
         subscribed: set[str] = set()
         try:
             while not self._stopping.is_set():

@@ -4,7 +4,7 @@ every write that must hang together is one of the Lua scripts in `lua.py`."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,7 +15,7 @@ from pipeline.config import AgentConfig, config_from_json
 from pipeline.contracts import Stage, TerminalType
 from pipeline.errors import AgentNotFound, ConversationNotFound
 from pipeline.events import Event
-from pipeline.records import ConversationRecord, MessageRecord
+from pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
 from pipeline.resolve import ConfigRef
 
 from . import lua
@@ -212,40 +212,21 @@ class Store:
     async def refresh_claim(self, turn_id: str) -> None:
         await self.redis.pexpire(self.keys.invoke_claim(turn_id), int(self.settings.invoke_lease_s * 1000))
 
-    async def cancel_flags(self, turn_ids: Sequence[str]) -> list[bool]:
-        if not turn_ids:
-            return []
-        values = await self.redis.mget([self.keys.cancel_flag(t) for t in turn_ids])
-        return [v is not None for v in values]
-
     async def artifact(self, turn_id: str, name: str) -> bytes | None:
-        value: bytes | None = await self.redis.get(self.keys.artifact(turn_id, name))
-        return value
+        return as_bytes(await self.redis.get(self.keys.artifact(turn_id, name)))
 
     async def turn_state(self, turn_id: str) -> dict[str, str]:
-        raw = await self.redis.hgetall(self.keys.turn(turn_id))
-        return {a.decode(): b.decode() for a, b in raw.items()}
+        return text_map(await self.redis.hgetall(self.keys.turn(turn_id)))
 
     # --- reads ---------------------------------------------------------------------------------
 
     async def load_conversation(self, conversation_id: str) -> ConversationRecord:
-        raw = await self.redis.hgetall(self.keys.conversation(conversation_id))
-        if not raw or b"config_ref" not in raw:
-            raise ConversationNotFound(f"conversation {conversation_id!r} does not exist")
-        data = {a.decode(): b.decode() for a, b in raw.items()}
-        return ConversationRecord(
-            id=conversation_id,
-            tenant_id=data["tenant_id"],
-            app_id=data["app_id"],
-            user_id=data["user_id"],
-            agent_id=data["agent_id"],
-            config_ref=data["config_ref"],
-            layers=json.loads(data["layers"]),
-            revision=int(data.get("revision", 0)),
-            tip=data.get("tip") or None,
-            pending_tool_calls=json.loads(data.get("pending") or "[]"),
-            created_at=float(data.get("created_at", 0)),
+        record = conversation_from_hash(
+            conversation_id, text_map(await self.redis.hgetall(self.keys.conversation(conversation_id)))
         )
+        if record is None:
+            raise ConversationNotFound(f"conversation {conversation_id!r} does not exist")
+        return record
 
     async def load_config(self, agent_id: str, ref: ConfigRef) -> tuple[AgentConfig, str]:
         """The config a turn runs and its reference ("v<N>" or "draft:<id>")."""
@@ -261,7 +242,7 @@ class Store:
             active = await self.redis.hget(k.agent(agent_id), "active")
             if active is None:
                 raise AgentNotFound(f"agent {agent_id!r} is not registered")
-            version = active.decode()
+            version = text(active)
         assert version is not None
         data = await self.redis.get(k.agent_version(agent_id, version))
         if data is None:
@@ -271,7 +252,10 @@ class Store:
     async def load_recent_messages(self, conversation_id: str, limit: int) -> list[MessageRecord]:
         """The newest `limit` message rows of a conversation, newest first (a bounded read)."""
         k = self.keys
-        ids = await self.redis.zrevrange(k.message_order(conversation_id), 0, limit - 1)
+        newest: list[bytes] = await self.redis.zrevrange(  # type: ignore[assignment]  (no scores asked)
+            k.message_order(conversation_id), 0, limit - 1
+        )
+        ids = [text(i) for i in newest]
         if not ids:
             return []
         rows = await self.redis.hmget(k.messages(conversation_id), ids)
@@ -281,4 +265,17 @@ class Store:
         if not message_ids:
             return {}
         values = await self.redis.hmget(self.keys.snapshots(conversation_id), list(message_ids))
-        return {mid: v for mid, v in zip(message_ids, values, strict=True) if v is not None}
+        return {mid: v for mid, v in zip(message_ids, map(as_bytes, values), strict=True) if v is not None}
+
+
+def text(value: bytes | str) -> str:
+    """redis-py returns bytes (no decode_responses); its types also admit str."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def as_bytes(value: bytes | str | None) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
+
+
+def text_map(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
+    return {text(k): text(v) for k, v in raw.items()}

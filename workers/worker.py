@@ -34,7 +34,7 @@ from .store import Store
 log = structlog.get_logger(__name__)
 
 
-class Boot(Middleware):  # type: ignore[misc]
+class Boot(Middleware):
     """Sets up the process's runtime (store, cancel registry and watcher) when its worker boots."""
 
     def __init__(self, settings: Settings, url: str) -> None:
@@ -42,26 +42,28 @@ class Boot(Middleware):  # type: ignore[misc]
         self.url = url
         self.watcher: CancelWatcher | None = None
 
-    def before_worker_boot(self, broker: DoorbellBroker, worker: dramatiq.Worker) -> None:
+    def before_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        assert isinstance(broker, DoorbellBroker)
         registry = CancelRegistry()
         set_runtime(Runtime(Store.connect(self.url, self.settings), registry))
         self.watcher = CancelWatcher(registry, broker.listener, self.url, broker.keys)
 
-    def before_worker_shutdown(self, broker: DoorbellBroker, worker: dramatiq.Worker) -> None:
+    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        assert isinstance(broker, DoorbellBroker)
         broker.before_shutdown()
 
-    def after_worker_shutdown(self, broker: DoorbellBroker, worker: dramatiq.Worker) -> None:
+    def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         if self.watcher is not None:
             self.watcher.stop()
         set_runtime(None)
 
 
-class GiveUp(Middleware):  # type: ignore[misc]
+class GiveUp(Middleware):
     """When a message exhausts its retries (it goes to the dead-letter queue), its turn still gets
     its one terminal event: `failed` with `internal_error`."""
 
-    def after_process_message(self, broker: DoorbellBroker, message: dramatiq.Message, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
+    def after_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy, *,
+                              result: Any = None, exception: BaseException | None = None) -> None:
         if exception is None or not message.failed:
             return
         turn_id = _turn_id_of(message)
@@ -79,10 +81,10 @@ class GiveUp(Middleware):  # type: ignore[misc]
             log.exception("give_up_failed", turn_id=turn_id)
 
 
-def _turn_id_of(message: dramatiq.Message) -> str | None:
+def _turn_id_of(message: dramatiq.MessageProxy) -> str | None:
     arg = message.args[0] if message.args else None
     if isinstance(arg, dict) and isinstance(arg.get("turn_id"), str):
-        return arg["turn_id"]
+        return str(arg["turn_id"])
     if message.actor_name == "resolve":
         return str(message.message_id)
     return None
