@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -252,9 +252,8 @@ class Store:
     async def load_recent_messages(self, conversation_id: str, limit: int) -> list[MessageRecord]:
         """The newest `limit` message rows of a conversation, newest first (a bounded read)."""
         k = self.keys
-        newest: list[bytes] = await self.redis.zrevrange(  # type: ignore[assignment]  (no scores asked)
-            k.message_order(conversation_id), 0, limit - 1
-        )
+        # no scores asked for: members only
+        newest = cast(list[bytes], await self.redis.zrevrange(k.message_order(conversation_id), 0, limit - 1))
         ids = [text(i) for i in newest]
         if not ids:
             return []
