@@ -192,12 +192,14 @@ async def invoke(envelope: dict[str, Any]) -> None:
     rt = runtime()
     env = Envelope.model_validate(envelope)
     token = rt.registry.register(env.turn_id)  # before begin: a cancel from now on reaches the run
+    claimed = False
     try:
         t0 = time.perf_counter()
         begin = await rt.store.begin(env.turn_id, "invoke", now=rt.now(), inputs=("resolved", "mapped"),
                                      claim=rt.worker_id)
         if await _not_live(begin, env.turn_id, "invoke"):
             return
+        claimed = True
         turn = ResolvedTurn.model_validate_json(begin.artifacts[0])
         structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
         try:
@@ -219,6 +221,11 @@ async def invoke(envelope: dict[str, Any]) -> None:
             await _retry(env, begin, outcome)
             return
         await _hand_over(env, begin, "invoke", "persist", ("outcome", outcome.model_dump_json()), t0, turn)
+    except Exception:
+        # dramatiq retries this message: its next delivery must not find our claim and stand down
+        if claimed:
+            await rt.store.release_claim(env.turn_id)
+        raise
     finally:
         rt.registry.unregister(env.turn_id, token)
 

@@ -209,6 +209,10 @@ class Store:
         )
         return reply[0].decode(), reply[1].decode()
 
+    async def release_claim(self, turn_id: str) -> None:
+        """Let a retried delivery of this invoke run at once instead of waiting out the claim."""
+        await self.redis.delete(self.keys.invoke_claim(turn_id))
+
     async def refresh_claim(self, turn_id: str) -> None:
         await self.redis.pexpire(self.keys.invoke_claim(turn_id), int(self.settings.invoke_lease_s * 1000))
 
