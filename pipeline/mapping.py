@@ -63,6 +63,10 @@ def normalise_messages(
         parts = [p for p in message.parts if not isinstance(p, SystemPromptPart)]
         if parts:
             body.append(replace(message, parts=parts, instructions=None))
+    if len(body) != len(repaired):
+        # A request that held only system parts is gone: its neighbours may merge now, and must,
+        # or normalising twice would differ from normalising once (and two responses would meet).
+        body = repair_messages(body, repair_last_response=repair_last_response)
     if system_texts:
         body = _with_leading_system(body, SYSTEM_SEPARATOR.join(system_texts))
     decision = MapDecision(

@@ -330,7 +330,9 @@ def test_at_most_one_system_part_and_only_in_front(
 
 
 @given(_histories, _instructions)
-def test_user_prompt_texts_are_preserved_in_order(history: list[ModelMessage], instructions: list[str]) -> None:
+def test_user_prompt_texts_are_preserved_in_order(
+    history: list[ModelMessage], instructions: list[str]
+) -> None:
     mapped, _ = normalise_messages(history, instructions=instructions)
 
     assert _user_texts(mapped) == _user_texts(history)
@@ -347,12 +349,19 @@ def test_no_empty_messages_come_out(history: list[ModelMessage], instructions: l
 
 
 @given(_histories, _instructions, st.booleans())
-# The smallest history hypothesis finds: dropping the system-only request leaves two responses side
-# by side, which the second pass's `repair_messages` then merges.
+# The smallest histories hypothesis finds: a request left with nothing but system parts (from the
+# start, or once its orphan tool result is gone) is dropped after `repair_messages` ran, leaving two
+# responses side by side, which the second pass's `repair_messages` then merges.
 @example(
     history=[ModelResponse(parts=[TextPart("a")]), ModelRequest(parts=[SystemPromptPart("sys")]),
              ModelResponse(parts=[TextPart("b")])],
     instructions=[], repair_last=True,
+)
+@example(
+    history=[ModelResponse(parts=[TextPart("a")]),
+             ModelRequest(parts=[SystemPromptPart("sys"), ToolReturnPart("clock", "?", tool_call_id="c0")]),
+             ModelResponse(parts=[TextPart("b")])],
+    instructions=[], repair_last=False,
 )
 def test_normalising_twice_is_normalising_once(
     history: list[ModelMessage], instructions: list[str], repair_last: bool
