@@ -384,6 +384,15 @@ def _classify(output: object, failure: BaseException | None) -> Classified:
     return "failed", code, _safe_message(failure), transient, retry_after
 
 
+def retry_delay_s(outcome: InvokeOutcome, *, attempt: int, max_attempts: int) -> float | None:
+    """Seconds before the next attempt of a transiently failed run (bounded exponential backoff,
+    or what the provider asked for), or None: the outcome is final."""
+    if outcome.status != "failed" or not outcome.transient or attempt >= max_attempts:
+        return None
+    backoff = min(0.5 * 2 ** (attempt - 1), 10.0)
+    return min(outcome.retry_after_s, 60.0) if outcome.retry_after_s else backoff
+
+
 def model_error_code(error: BaseException) -> tuple[ErrorCode, bool]:
     """A stable code for a model failure, and whether trying again may help."""
     if isinstance(error, ThreadlineError):

@@ -14,12 +14,13 @@ from typing import Any
 import dramatiq
 import structlog
 from dramatiq.middleware import CurrentMessage
+from pydantic_ai import CancellationToken
 
 from pipeline import events
 from pipeline.contracts import Envelope, Stage, extract_turn_id, parse_turn_request
 from pipeline.errors import ThreadlineError
 from pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
-from pipeline.invoke import InvokeOutcome, run_turn
+from pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
 from pipeline.mapping import normalise_messages
 from pipeline.persist import conversation_fields, final_row, pending_row
 from pipeline.records import ResolvedTurn
@@ -192,47 +193,43 @@ async def invoke(envelope: dict[str, Any]) -> None:
     rt = runtime()
     env = Envelope.model_validate(envelope)
     token = rt.registry.register(env.turn_id)  # before begin: a cancel from now on reaches the run
-    claimed = False
     try:
         t0 = time.perf_counter()
         begin = await rt.store.begin(env.turn_id, "invoke", now=rt.now(), inputs=("resolved", "mapped"),
                                      claim=rt.worker_id)
         if await _not_live(begin, env.turn_id, "invoke"):
             return
-        claimed = True
-        turn = ResolvedTurn.model_validate_json(begin.artifacts[0])
-        structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
         try:
-            model = rt.model(turn.config.model)
-            tools = rt.tools(turn.config.tools)
-            history = decode_messages(begin.artifacts[1], where="the mapped history")
-        except ThreadlineError as e:
-            await rt.end_turn(env.turn_id, "failed", code=e.code, message=e.message, resolved=turn)
-            return
-        async with _claim_heartbeat(env.turn_id):
-            deadline_at = begin.deadline_at or rt.now() + turn.deadline_s
-            outcome = await run_turn(
-                turn, history, model=model, tools=tools, attempt=begin.attempt,
-                sink=partial(rt.store.emit, env.turn_id), token=token, clock=rt.now,
-                timeout_s=deadline_at - rt.now(), debounce_s=rt.settings.debounce_ms / 1000,
-            )
-        log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump())
-        if outcome.transient and begin.attempt < rt.settings.max_invoke_attempts:
-            await _retry(env, begin, outcome)
-            return
-        await _hand_over(env, begin, "invoke", "persist", ("outcome", outcome.model_dump_json()), t0, turn)
-    except Exception:
-        # dramatiq retries this message: its next delivery must not find our claim and stand down
-        if claimed:
+            await _run_claimed(env, begin, token, t0)
+        except Exception:
+            # dramatiq retries this message: its next delivery must not find our claim and stand down
             await rt.store.release_claim(env.turn_id)
-        raise
+            raise
     finally:
         rt.registry.unregister(env.turn_id, token)
 
 
-async def _retry(env: Envelope, begin: Begin, outcome: InvokeOutcome) -> None:
+async def _run_claimed(env: Envelope, begin: Begin, token: CancellationToken, t0: float) -> None:
     rt = runtime()
-    delay_s = outcome.retry_after_s or min(0.5 * 2 ** (begin.attempt - 1), 10.0)
+    turn = ResolvedTurn.model_validate_json(begin.artifacts[0])
+    structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
+    try:
+        model, tools = rt.model(turn.config.model), rt.tools(turn.config.tools)
+        history = decode_messages(begin.artifacts[1], where="the mapped history")
+    except ThreadlineError as e:
+        await rt.end_turn(env.turn_id, "failed", code=e.code, message=e.message, resolved=turn)
+        return
+    deadline_at = begin.deadline_at or rt.now() + turn.deadline_s
+    async with _claim_heartbeat(env.turn_id):
+        outcome = await run_turn(
+            turn, history, model=model, tools=tools, attempt=begin.attempt, sink=partial(rt.store.emit, env.turn_id),
+            token=token, clock=rt.now, timeout_s=deadline_at - rt.now(), debounce_s=rt.settings.debounce_ms / 1000,
+        )
+    log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump())
+    delay_s = retry_delay_s(outcome, attempt=begin.attempt, max_attempts=rt.settings.max_invoke_attempts)
+    if delay_s is None:
+        await _hand_over(env, begin, "invoke", "persist", ("outcome", outcome.model_dump_json()), t0, turn)
+        return
     reason = f"{outcome.code}: {outcome.message}"
     await rt.store.retry_invoke(
         env.turn_id,

@@ -25,7 +25,7 @@ from pydantic_ai.models.test import TestModel
 
 from pipeline.config import AgentConfig
 from pipeline.history import decode_messages
-from pipeline.invoke import InvokeOutcome, TextDebouncer, build_tools, model_error_code, run_turn
+from pipeline.invoke import InvokeOutcome, TextDebouncer, build_tools, model_error_code, retry_delay_s, run_turn
 from pipeline.models import StrictSystemModel, build_model, chat_answer, profile_for
 from pipeline.persist import prepare_snapshot, run_answer
 from pipeline.records import ResolvedTurn
@@ -195,3 +195,14 @@ def test_strict_profile_is_a_flag_of_the_config() -> None:
                                                             "strict_system": False}}).model
     assert not profile_for(spec).single_leading_system
     assert isinstance(build_model(spec, env={}), StrictSystemModel)
+
+
+def test_retry_delay_is_bounded_and_only_for_transient_failures() -> None:
+    transient = InvokeOutcome(status="failed", code="model_unavailable", transient=True)
+    assert [retry_delay_s(transient, attempt=a, max_attempts=9) for a in (1, 2, 3, 8)] == [0.5, 1.0, 2.0, 10.0]
+    assert retry_delay_s(transient, attempt=3, max_attempts=3) is None
+    asked = transient.model_copy(update={"retry_after_s": 7.0})
+    assert retry_delay_s(asked, attempt=1, max_attempts=3) == 7.0
+    permanent = InvokeOutcome(status="failed", code="model_bad_request")
+    assert retry_delay_s(permanent, attempt=1, max_attempts=3) is None
+    assert retry_delay_s(InvokeOutcome(status="cancelled"), attempt=1, max_attempts=3) is None
