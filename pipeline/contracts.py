@@ -88,13 +88,21 @@ def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: i
 
 def extract_turn_id(raw: object) -> str | None:
     """The turn id of a request that may be invalid, so its failure lands on the right stream."""
+    return _extract_id(raw, "turn_id")
+
+
+def extract_conversation_id(raw: object) -> str | None:
+    """The conversation id of a request that may be invalid."""
+    return _extract_id(raw, "conversation_id")
+
+
+def _extract_id(raw: object, field: str) -> str | None:
     try:
         data = _as_object(raw)
     except InvalidRequest:
         return None
-    turn_id = data.get("turn_id")
     try:
-        return TypeAdapter(Id).validate_python(turn_id)
+        return TypeAdapter(Id).validate_python(data.get(field))
     except ValidationError:
         return None
 

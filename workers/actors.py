@@ -17,7 +17,7 @@ from dramatiq.middleware import CurrentMessage
 from pydantic_ai import CancellationToken
 
 from pipeline import events
-from pipeline.contracts import Envelope, Stage, extract_turn_id, parse_turn_request
+from pipeline.contracts import Envelope, Stage, extract_conversation_id, extract_turn_id, parse_turn_request
 from pipeline.errors import ThreadlineError
 from pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
 from pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
@@ -74,16 +74,17 @@ async def resolve(request: object) -> None:
         req = parse_turn_request(request, fallback_turn_id=message.message_id,
                                  max_query_chars=rt.settings.max_query_chars)
     except ThreadlineError as e:
-        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message)
+        # a producer may have put the turn in its conversation's line: take it out again
+        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message,
+                          conversation_id=extract_conversation_id(request))
         return
     cid = req.conversation_id or new_conversation_id(turn_id)
     structlog.contextvars.bind_contextvars(conversation_id=cid)
     _, _, wake = build_message("resolve", "resolve", (req.model_dump(mode="json", by_alias=True),),
                                message_id=WAKE_ID, now_ms=message.message_timestamp)
-    admission, other = await rt.store.admit(turn_id, cid, score_ms=message.message_timestamp, now=rt.now(),
-                                            wake=wake)
+    admission, other = await rt.store.admit(turn_id, cid, now=rt.now(), wake=wake)
     if admission == "cancelled":
-        await rt.end_turn(turn_id, "cancelled", code="cancelled",
+        await rt.end_turn(turn_id, "cancelled", code="cancelled", conversation_id=cid,
                           message="cancelled before resolve: the turn never started")
     if admission != "admitted":
         log.info("turn_not_admitted", admission=admission, behind=other)
@@ -118,15 +119,24 @@ def _finished(turn_id: str, begin: Begin, stage: Stage, t0: float) -> events.Eve
     return events.stage(turn_id, begin.attempt, stage, "finished", (time.perf_counter() - t0) * 1000)
 
 
+async def _begin_stage(env: Envelope, stage: Stage, artifact: str) -> tuple[Begin, ResolvedTurn] | None:
+    """Begin a stage after resolve: its resolved turn, and the input artifact in `begin.artifacts[1]`."""
+    rt = runtime()
+    begin = await rt.store.begin(env.turn_id, stage, now=rt.now(), inputs=("resolved", artifact))
+    if await _not_live(begin, env.turn_id, stage):
+        return None
+    turn = ResolvedTurn.model_validate_json(begin.artifacts[0])
+    structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
+    return begin, turn
+
+
 async def history(envelope: dict[str, Any]) -> None:
     rt = runtime()
     env = Envelope.model_validate(envelope)
     t0 = time.perf_counter()
-    begin = await rt.store.begin(env.turn_id, "history", now=rt.now(), inputs=("resolved", "-"))
-    if await _not_live(begin, env.turn_id, "history"):
+    if (started := await _begin_stage(env, "history", "-")) is None:
         return
-    turn = ResolvedTurn.model_validate_json(begin.artifacts[0])
-    structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id)
+    begin, turn = started
     try:
         recent = await rt.store.load_recent_messages(turn.conversation_id, turn.config.memory.message_limit)
         thread, truncated = extract_thread(recent, turn.parent_message_id)
@@ -145,10 +155,9 @@ async def map_messages(envelope: dict[str, Any]) -> None:
     rt = runtime()
     env = Envelope.model_validate(envelope)
     t0 = time.perf_counter()
-    begin = await rt.store.begin(env.turn_id, "map", now=rt.now(), inputs=("resolved", "history"))
-    if await _not_live(begin, env.turn_id, "map"):
+    if (started := await _begin_stage(env, "map", "history")) is None:
         return
-    turn = ResolvedTurn.model_validate_json(begin.artifacts[0])
+    begin, turn = started
     try:
         history = decode_messages(begin.artifacts[1], where="the assembled history")
     except ThreadlineError as e:

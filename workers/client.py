@@ -20,6 +20,7 @@ from pipeline.contracts import TERMINAL_TYPES, TURN_SCHEMA
 from pipeline.history import encode_messages, extract_thread
 from pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
 
+from . import lua
 from .broker import build_message
 from .keys import Keys
 from .settings import Settings
@@ -32,6 +33,7 @@ class Client:
         self.redis = redis.Redis.from_url(url)
         self.keys = Keys(prefix)
         self.namespace = f"{prefix}:q"
+        self._submit = self.redis.register_script(lua.SUBMIT)
 
     @classmethod
     def from_settings(cls, settings: Settings, url: str | None = None) -> Client:
@@ -69,20 +71,26 @@ class Client:
         """Enqueue a turn request; returns its turn id (generated when the request has none)."""
         body = {"schema": TURN_SCHEMA, **request}
         body.setdefault("turn_id", uuid.uuid4().hex)
-        self.submit_raw(body)
+        self.enqueue("resolve", "resolve", (body,), conversation_id=body.get("conversation_id"),
+                     turn_id=str(body["turn_id"]))
         return str(body["turn_id"])
 
     def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
         """Enqueue anything as the `resolve` argument (tests use it for malformed input). Returns the
         dramatiq message id, which is the turn id of a request that names none."""
-        message_id = message_id or uuid.uuid4().hex
-        queue, mid, data = build_message("resolve", "resolve", (request,), message_id=message_id,
-                                         now_ms=int(time.time() * 1000))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(f"{self.namespace}:{queue}.msgs", mid, data)
-        pipe.rpush(f"{self.namespace}:{queue}", mid)
-        pipe.publish(self.keys.doorbell_channel(), queue)
-        pipe.execute()
+        return self.enqueue("resolve", "resolve", (request,), message_id=message_id)
+
+    def enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str | None = None,
+                conversation_id: str | None = None, turn_id: str | None = None) -> str:
+        """What any producer does: store a dramatiq message, push its id on the queue, ring the
+        doorbell; and a turn for an existing conversation takes its place in that conversation's
+        line now, so that turns run in the order they were submitted. Returns the message id."""
+        target, mid, data = build_message(queue, actor, args, message_id=message_id or uuid.uuid4().hex,
+                                          now_ms=int(time.time() * 1000))
+        line = self.keys.turn_queue(conversation_id) if conversation_id else "-"
+        self._submit(keys=[f"{self.namespace}:{target}.msgs", f"{self.namespace}:{target}", line],
+                     args=[mid, data, self.keys.doorbell_channel(), target, turn_id or "",
+                           "1" if conversation_id and turn_id else "0"])
         return mid
 
     def cancel(self, turn_id: str, reason: str = "") -> str:
@@ -91,13 +99,7 @@ class Client:
         status = self.redis.hget(self.keys.turn(turn_id), "status")
         if status is not None and text(status) in TERMINAL_TYPES:
             return f"noop: {text(status)}"
-        queue, mid, data = build_message("control", "cancel", (turn_id, reason), message_id=uuid.uuid4().hex,
-                                         now_ms=int(time.time() * 1000))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(f"{self.namespace}:{queue}.msgs", mid, data)
-        pipe.rpush(f"{self.namespace}:{queue}", mid)
-        pipe.publish(self.keys.doorbell_channel(), queue)
-        pipe.execute()
+        self.enqueue("control", "cancel", (turn_id, reason))
         return "enqueued"
 
     def events(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,

@@ -65,9 +65,10 @@ return {'go', tostring(attempt), redis.call('GET', KEYS[4]) or '', redis.call('G
         redis.call('HGET', turn, 'deadline_at') or ''}
 """
 
-#: Join a conversation's line of turns; run now if first in line, else wait to be woken.
+#: Join a conversation's line of turns (if the producer did not already, see SUBMIT) by arrival
+#: time; run now if first in line with the conversation free, else wait to be woken.
 #: KEYS: turn, turn queue, lease, cancel flag.
-#: ARGV: turn_id, score, now, conversation_id, wake id base, wake data, ttl s.
+#: ARGV: turn_id, (unused), now, conversation_id, wake id base, wake data, ttl s.
 ADMIT = PRELUDE + r"""
 local turn, queue, lease = KEYS[1], KEYS[2], KEYS[3]
 local turn_id = ARGV[1]
@@ -75,7 +76,8 @@ local status = redis.call('HGET', turn, 'status')
 if status and TERMINAL[status] then return {'terminal', status} end
 if redis.call('HEXISTS', turn, 'done:resolve') == 1 then return {'done'} end
 if redis.call('EXISTS', KEYS[4]) == 1 then return {'cancelled'} end
-redis.call('ZADD', queue, 'NX', ARGV[2], turn_id)
+local t = redis.call('TIME')
+redis.call('ZADD', queue, 'NX', t[1] * 1000000 + t[2], turn_id)
 redis.call('HSET', turn, 'conversation_id', ARGV[4], 'wake_id', ARGV[5], 'wake_data', ARGV[6])
 redis.call('EXPIRE', turn, ARGV[7])
 local holder = redis.call('HGET', lease, 'turn')
@@ -189,6 +191,21 @@ if conversation_id ~= '' then
   end
 end
 return {'ok'}
+"""
+
+#: A producer's enqueue of a turn: the dramatiq message, the doorbell, and (for an existing
+#: conversation) the turn's place in the conversation's line, by server time: submission order.
+#: KEYS: queue messages hash, queue list, turn queue. ARGV: message id, data, doorbell channel,
+#: queue name, turn id, register ("1"/"0").
+SUBMIT = r"""
+if ARGV[6] == '1' then
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[3], 'NX', t[1] * 1000000 + t[2], ARGV[5])
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1
 """
 
 #: Append one event. KEYS: turn, events. ARGV: event JSON (without seq).

@@ -68,6 +68,7 @@ class Runtime:
         code: ErrorCode,
         message: str,
         resolved: ResolvedTurn | None = None,
+        conversation_id: str | None = None,
     ) -> str:
         """End a turn that will not reach `persist`: its terminal event, its message row if it was
         accepted, the conversation released. Stored history stays as it was."""
@@ -88,7 +89,7 @@ class Runtime:
                 turn_id=turn_id,
                 status=status,
                 event=event,
-                conversation_id=state.get("conversation_id", ""),
+                conversation_id=state.get("conversation_id") or conversation_id or "",
                 message=row,
                 fence=state.get("fence", ""),
                 tenant_id=resolved.tenant_id if resolved else "",

@@ -119,14 +119,12 @@ class Store:
             deadline_at=float(deadline) if deadline else None,
         )
 
-    async def admit(
-        self, turn_id: str, conversation_id: str, *, score_ms: int, now: float, wake: bytes
-    ) -> tuple[str, str]:
+    async def admit(self, turn_id: str, conversation_id: str, *, now: float, wake: bytes) -> tuple[str, str]:
         k = self.keys
         reply = await self._run(
             "ADMIT",
             [k.turn(turn_id), k.turn_queue(conversation_id), k.lease(conversation_id), k.cancel_flag(turn_id)],
-            [turn_id, score_ms, now, conversation_id, f"wake.{turn_id}", wake, self.settings.turn_ttl_s],
+            [turn_id, "", now, conversation_id, f"wake.{turn_id}", wake, self.settings.turn_ttl_s],
         )
         return reply[0].decode(), (reply[1].decode() if len(reply) > 1 and reply[1] else "")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,7 +94,7 @@ def test_thread_is_exactly_the_parent_chain(records: list[MessageRecord], data: 
     thread, truncated = extract_thread(newest_first(*records), start.id)
     assert [m.id for m in thread] == expected[::-1] and not truncated
     assert thread[0].parent_id is None
-    assert all(child.parent_id == parent.id for parent, child in zip(thread, thread[1:], strict=False))
+    assert all(child.parent_id == parent.id for parent, child in itertools.pairwise(thread))
 
 
 def test_assembly_uses_stored_messages_and_falls_back_to_text() -> None:

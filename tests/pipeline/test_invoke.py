@@ -25,7 +25,14 @@ from pydantic_ai.models.test import TestModel
 
 from pipeline.config import AgentConfig
 from pipeline.history import decode_messages
-from pipeline.invoke import InvokeOutcome, TextDebouncer, build_tools, model_error_code, retry_delay_s, run_turn
+from pipeline.invoke import (
+    InvokeOutcome,
+    TextDebouncer,
+    build_tools,
+    model_error_code,
+    retry_delay_s,
+    run_turn,
+)
 from pipeline.models import StrictSystemModel, build_model, chat_answer, profile_for
 from pipeline.persist import prepare_snapshot, run_answer
 from pipeline.records import ResolvedTurn
@@ -150,7 +157,9 @@ async def test_ask_human_pauses_with_the_question_as_answer() -> None:
     stored = decode_messages(outcome.snapshot or "", where="test")
     assert isinstance(stored[-1], ModelResponse) and stored[-1].state == "complete"  # open for the resume
 
-    resume = resolved(tools=["ask_human"]).model_copy(update={"deferred_answers": {"q1": "XL"}, "query": "", "turn_id": "t2"})
+    resume = resolved(tools=["ask_human"]).model_copy(
+        update={"deferred_answers": {"q1": "XL"}, "query": "", "turn_id": "t2"}
+    )
 
     def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         result = next(p for p in messages[-1].parts if isinstance(p, ToolReturnPart))

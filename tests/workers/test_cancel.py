@@ -12,7 +12,6 @@ import pytest
 from pipeline.config import AgentConfig
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.workers.test_outcomes import assert_one_terminal, python_model, records, wait_for_event
-from workers.broker import build_message
 from workers.client import Client
 
 pytestmark = pytest.mark.integration
@@ -84,12 +83,8 @@ def test_cancel_after_the_end_is_a_noop(workers: WorkerPool, client: Client, mak
     before = list(client.events(terminal["turn_id"]))
     assert client.cancel(terminal["turn_id"]) == "noop: succeeded"
     # a raw control message (no client-side check) is a no-op in the worker too
-    queue, mid, data = build_message("control", "cancel", (terminal["turn_id"], "late"), message_id=uuid.uuid4().hex,
-                                     now_ms=int(time.time() * 1000))
-    client.redis.hset(f"{client.namespace}:{queue}.msgs", mid, data)
-    client.redis.rpush(f"{client.namespace}:{queue}", mid)
-    client.redis.publish(client.keys.doorbell_channel(), queue)
-    wait_until(lambda: not client.redis.hexists(f"{client.namespace}:{queue}.msgs", mid))
+    mid = client.enqueue("control", "cancel", (terminal["turn_id"], "late"))
+    wait_until(lambda: not client.redis.hexists(f"{client.namespace}:control.msgs", mid))
     assert list(client.events(terminal["turn_id"])) == before
     assert not client.redis.exists(client.keys.cancel_flag(terminal["turn_id"]))
     assert client.thread(terminal["conversation_id"])[-1].status == "succeeded"

@@ -284,15 +284,9 @@ def test_usage_is_recorded_once_even_when_every_stage_message_is_delivered_again
     events_before = all_events(client, terminal["turn_id"])
 
     # redeliver every stage's message, and the original request
-    from workers.broker import build_message
-
     turn_id = terminal["turn_id"]
     for stage in ("history", "map", "invoke", "persist"):
-        queue, mid, data = build_message(stage, stage, ({"v": 1, "turn_id": turn_id, "stage": stage, "attempt": 1},),
-                                         message_id=uuid.uuid4().hex, now_ms=int(time.time() * 1000))
-        client.redis.hset(f"{client.namespace}:{queue}.msgs", mid, data)
-        client.redis.rpush(f"{client.namespace}:{queue}", mid)
-        client.redis.publish(client.keys.doorbell_channel(), queue)
+        client.enqueue(stage, stage, ({"v": 1, "turn_id": turn_id, "stage": stage, "attempt": 1},))
     client.submit({**request, "turn_id": turn_id})
     time.sleep(1.5)
     assert client.redis.hgetall(usage_key) == usage
