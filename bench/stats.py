@@ -1,17 +1,21 @@
-"""Small measurement helpers: percentiles, and Redis command counts from `INFO commandstats`."""
+"""Small measurement helpers: percentiles, Redis command counts from `INFO commandstats`, and the
+CPU time and commands a run of turns costs."""
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
 #: Commands the harness itself sends while measuring idle load; never counted.
 SCRIPT_COMMANDS = frozenset({"evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro"})
-HARNESS_COMMANDS = frozenset({"info", "config", "config|resetstat", "ping", "client|setinfo", "hello"})
+HARNESS_COMMANDS = frozenset({"info", "config", "config|resetstat", "ping", "client|setinfo", "hello",
+                              "client", "client|list"})
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -89,3 +93,80 @@ def measure_idle_load(client: redis.Redis, seconds: float) -> IdleLoad:
     elapsed = time.monotonic() - t0
     per_command = {k: v / elapsed for k, v in counts.items() if k not in HARNESS_COMMANDS and v}
     return IdleLoad(elapsed, per_command)
+
+
+def process_cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds used so far by these processes (Linux /proc; 0 elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks
+
+
+def server_cpu_s(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+#: Commands the harness sends to follow completions; not part of a turn's cost.
+WAIT_COMMANDS = frozenset({"xread"})
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What `turns` turns cost: worker CPU, server CPU and server commands (per turn)."""
+
+    turns: int
+    worker_cpu_s: float
+    server_cpu_s: float
+    commands: dict[str, int]
+
+    @property
+    def worker_ms(self) -> float:
+        return self.worker_cpu_s * 1000 / self.turns
+
+    @property
+    def server_ms(self) -> float:
+        return self.server_cpu_s * 1000 / self.turns
+
+    @property
+    def commands_per_turn(self) -> float:
+        return sum(self.commands.values()) / self.turns
+
+    @property
+    def scripts_per_turn(self) -> float:
+        return sum(v for k, v in self.commands.items() if k in SCRIPT_COMMANDS) / self.turns
+
+    def breakdown(self, top: int = 8) -> str:
+        ordered = sorted(self.commands.items(), key=lambda kv: -kv[1])[:top]
+        return ", ".join(f"{k} {v / self.turns:.1f}" for k, v in ordered)
+
+
+class CostMeter:
+    """Brackets a run: `start()` resets the server's command stats and reads CPU counters,
+    `stop(turns)` reads them again. Everything on the server in between is counted, including
+    the idle polling of other worker processes (a few commands per second)."""
+
+    def __init__(self, client: redis.Redis, pids: Sequence[int]) -> None:
+        self.client = client
+        self.pids = list(pids)
+        self._worker0 = 0.0
+        self._server0 = 0.0
+
+    def start(self) -> None:
+        self.client.ping()
+        self.client.config_resetstat()
+        self._worker0 = process_cpu_s(self.pids)
+        self._server0 = server_cpu_s(self.client)
+
+    def stop(self, turns: int) -> Cost:
+        worker = process_cpu_s(self.pids) - self._worker0
+        server = server_cpu_s(self.client) - self._server0
+        counts = command_counts(self.client)
+        commands = {k: v for k, v in counts.items() if v and k not in HARNESS_COMMANDS | WAIT_COMMANDS}
+        return Cost(turns, worker, server, commands)
