@@ -18,6 +18,7 @@ TerminalType = Literal["succeeded", "paused", "failed", "cancelled", "timed_out"
 TERMINAL_TYPES: frozenset[str] = frozenset({"succeeded", "paused", "failed", "cancelled", "timed_out"})
 
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]*$")]
+_ID: TypeAdapter[str] = TypeAdapter(Id)
 
 
 class _Wire(BaseModel):
@@ -102,7 +103,7 @@ def _extract_id(raw: object, field: str) -> str | None:
     except InvalidRequest:
         return None
     try:
-        return TypeAdapter(Id).validate_python(data.get(field))
+        return _ID.validate_python(data.get(field))
     except ValidationError:
         return None
 

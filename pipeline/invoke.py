@@ -88,18 +88,23 @@ class InvokeOutcome(BaseModel):
 @dataclass
 class TextDebouncer:
     """Buffers text deltas: a flush is due once the oldest buffered text is `window_s` old or the
-    buffer holds `max_chars`; any non-text event, the end of the run and a cancel flush it too."""
+    buffer holds `max_chars`; any non-text event, the end of the run and a cancel flush it too.
+    The run's first text goes out at once: the user waits for the first token, not for the window."""
 
     window_s: float = 0.075
     max_chars: int = 512
     _buffer: list[str] = field(default_factory=list)
     _size: int = 0
     _since: float | None = None
+    _started: bool = False
 
     def add(self, text: str, now: float) -> str | None:
-        """Buffer `text`; return the buffered text when the size cap says flush now."""
+        """Buffer `text`; return the text to send now (the first text, or when the size cap says so)."""
         if not text:
             return None
+        if not self._started:
+            self._started = True
+            return text
         if self._since is None:
             self._since = now
         self._buffer.append(text)
@@ -286,12 +291,19 @@ def run_instructions(turn: ResolvedTurn) -> str | None:
     return text or None
 
 
+TurnAgent = Agent[TurnDeps, str | DeferredToolRequests]
+
+
+def build_agent(model: Model, tools: Sequence[Tool[TurnDeps]] = ()) -> TurnAgent:
+    """The agent a config runs: stateless between runs, so the shell builds it once and reuses it."""
+    return Agent(model, output_type=[str, DeferredToolRequests], deps_type=TurnDeps, tools=list(tools))
+
+
 async def run_turn(
     turn: ResolvedTurn,
     history: Sequence[ModelMessage],
     *,
-    model: Model,
-    tools: Sequence[Tool[TurnDeps]] = (),
+    agent: TurnAgent,
     attempt: int,
     sink: Sink,
     token: CancellationToken,
@@ -301,12 +313,6 @@ async def run_turn(
 ) -> InvokeOutcome:
     """Run the agent once; every way it can end becomes an `InvokeOutcome`."""
     run_id = f"{turn.turn_id}/{attempt}"
-    agent: Agent[TurnDeps, str | DeferredToolRequests] = Agent(
-        model,
-        output_type=[str, DeferredToolRequests],
-        deps_type=TurnDeps,
-        tools=list(tools),
-    )
     deferred = DeferredToolResults(calls=dict(turn.deferred_answers)) if turn.deferred_answers else None
     stream = TurnStream(turn.turn_id, attempt, sink, clock, TextDebouncer(window_s=debounce_s))
     outcome: InvokeOutcome

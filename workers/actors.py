@@ -223,7 +223,7 @@ async def _run_claimed(env: Envelope, begin: Begin, token: CancellationToken, t0
     turn = ResolvedTurn.model_validate_json(begin.artifacts[0])
     structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
     try:
-        model, tools = rt.model(turn.config.model), rt.tools(turn.config.tools)
+        agent = rt.agent(turn.config.model, turn.config.tools)
         history = decode_messages(begin.artifacts[1], where="the mapped history")
     except ThreadlineError as e:
         await rt.end_turn(env.turn_id, "failed", code=e.code, message=e.message, resolved=turn)
@@ -231,7 +231,7 @@ async def _run_claimed(env: Envelope, begin: Begin, token: CancellationToken, t0
     deadline_at = begin.deadline_at or rt.now() + turn.deadline_s
     async with _claim_heartbeat(env.turn_id):
         outcome = await run_turn(
-            turn, history, model=model, tools=tools, attempt=begin.attempt, sink=partial(rt.store.emit, env.turn_id),
+            turn, history, agent=agent, attempt=begin.attempt, sink=partial(rt.store.emit, env.turn_id),
             token=token, clock=rt.now, timeout_s=deadline_at - rt.now(), debounce_s=rt.settings.debounce_ms / 1000,
         )
     log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump())

@@ -91,7 +91,7 @@ class DoorbellBroker(RedisBroker):
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> DoorbellConsumer:
         if queue_name == "invoke":
-            prefetch = self.settings.invoke_prefetch
+            prefetch = self.settings.invoke_prefetch or 1
         delayed = queue_name.endswith(".DQ")
         idle_ms = self.settings.delay_poll_ms if delayed else self.settings.idle_poll_ms
         ring = threading.Event()

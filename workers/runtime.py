@@ -12,14 +12,12 @@ import uuid
 from typing import Any
 
 import structlog
-from pydantic_ai import Tool
-from pydantic_ai.models import Model
 
 from pipeline import events
 from pipeline.config import ModelSpec
 from pipeline.contracts import TerminalType
 from pipeline.errors import ErrorCode
-from pipeline.invoke import TurnDeps, build_tools
+from pipeline.invoke import TurnAgent, build_agent, build_tools
 from pipeline.models import build_model
 from pipeline.persist import final_row
 from pipeline.records import ResolvedTurn
@@ -36,21 +34,20 @@ class Runtime:
         self.settings = store.settings
         self.registry = registry
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._models: dict[str, Model] = {}
-        self._models_lock = threading.Lock()
+        self._agents: dict[str, TurnAgent] = {}
+        self._agents_lock = threading.Lock()
 
-    def model(self, spec: ModelSpec) -> Model:
-        """Models are reused across turns (their HTTP clients too); built from config on first use."""
-        key = spec.model_dump_json()
-        with self._models_lock:
-            model = self._models.get(key)
-            if model is None:
-                model = build_model(spec, env=self.settings.secrets, allow_python=self.settings.allow_python_models)
-                self._models[key] = model
-            return model
-
-    def tools(self, names: list[str]) -> list[Tool[TurnDeps]]:
-        return build_tools(names, allow_python=self.settings.allow_python_models)
+    def agent(self, spec: ModelSpec, tools: list[str]) -> TurnAgent:
+        """Agents (their models and HTTP clients too) are built from config on first use and reused."""
+        key = json.dumps([spec.model_dump(mode="json"), tools])
+        with self._agents_lock:
+            agent = self._agents.get(key)
+            if agent is None:
+                allow = self.settings.allow_python_models
+                model = build_model(spec, env=self.settings.secrets, allow_python=allow)
+                agent = build_agent(model, build_tools(tools, allow_python=allow))
+                self._agents[key] = agent
+            return agent
 
     @staticmethod
     def now() -> float:

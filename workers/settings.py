@@ -30,8 +30,10 @@ class Settings:
     log_level: str = "INFO"
     processes: int = 2
     threads: int = 8
-    #: Invoke messages one process holds at once (a long turn must not hoard queued turns).
-    invoke_prefetch: int = 1
+    #: Invoke messages one process holds, and runs concurrently, at once. Each holds a worker thread
+    #: for the whole turn, so the default (half the threads) keeps threads free for the fast stages
+    #: and for cancels; no invoke waits in a local buffer while a thread could run it. None: threads // 2.
+    invoke_prefetch: int | None = None
     max_query_chars: int = 32_000
     #: Upper bound for an idle consumer's sleep between polls; a doorbell wakes it sooner.
     idle_poll_ms: int = 2_000
@@ -64,7 +66,7 @@ class Settings:
             log_level=(env.get("TL_LOG_LEVEL") or "INFO").upper(),
             processes=_int(env, "TL_PROCESSES", 2),
             threads=_int(env, "TL_THREADS", 8),
-            invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 1),
+            invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 0) or None,
             max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000),
             idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000),
             delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000),

@@ -8,6 +8,7 @@ that dies and stops them all, gracefully, on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -99,9 +100,10 @@ def create_broker(settings: Settings, url: str) -> DoorbellBroker:
 def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: int | None = None) -> None:
     """Run one worker process until SIGTERM/SIGINT."""
     configure_logging(settings)
+    threads = threads or settings.threads
+    settings = dataclasses.replace(settings, invoke_prefetch=settings.invoke_prefetch or max(1, threads // 2))
     broker = create_broker(settings, url)
-    worker = dramatiq.Worker(broker, queues=set(queues) or None, worker_threads=threads or settings.threads,
-                             worker_timeout=100)
+    worker = dramatiq.Worker(broker, queues=set(queues) or None, worker_threads=threads, worker_timeout=100)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -28,6 +28,7 @@ from pipeline.history import decode_messages
 from pipeline.invoke import (
     InvokeOutcome,
     TextDebouncer,
+    build_agent,
     build_tools,
     model_error_code,
     retry_delay_s,
@@ -58,9 +59,9 @@ async def run(model: Any, turn: ResolvedTurn | None = None, *, cancel_after: flo
     token = CancellationToken()
     if cancel_after is not None:
         asyncio.get_running_loop().call_later(cancel_after, token.cancel)
-    outcome = await run_turn(turn, history or [], model=model, tools=build_tools(turn.config.tools, allow_python=False),
-                             attempt=1, sink=emit, token=token, clock=lambda: 0.0, timeout_s=timeout_s,
-                             debounce_s=0.01)
+    agent = build_agent(model, build_tools(turn.config.tools, allow_python=False))
+    outcome = await run_turn(turn, history or [], agent=agent, attempt=1, sink=emit, token=token,
+                             clock=lambda: 0.0, timeout_s=timeout_s, debounce_s=0.01)
     return outcome, sink
 
 
@@ -92,8 +93,9 @@ def text_of(sink: list[dict[str, Any]]) -> str:
     return "".join(e["text"] for e in sink if e["type"] == "text_delta")
 
 
-def test_debouncer_flushes_on_window_and_size() -> None:
+def test_debouncer_sends_the_first_text_at_once_then_flushes_on_window_and_size() -> None:
     d = TextDebouncer(window_s=0.1, max_chars=10)
+    assert d.add("first", now=0.0) == "first"
     assert d.add("abc", now=0.0) is None and not d.due(0.05) and d.due(0.1)
     assert d.wait_s(0.04) == pytest.approx(0.06)
     assert d.add("defghijk", now=0.06) == "abcdefghijk"  # the size cap flushes at once
