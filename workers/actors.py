@@ -17,7 +17,14 @@ from dramatiq.middleware import CurrentMessage
 from pydantic_ai import CancellationToken
 
 from pipeline import events
-from pipeline.contracts import Envelope, Stage, extract_conversation_id, extract_turn_id, parse_turn_request
+from pipeline.contracts import (
+    Envelope,
+    Stage,
+    TurnRequest,
+    extract_conversation_id,
+    extract_turn_id,
+    parse_turn_request,
+)
 from pipeline.errors import ThreadlineError
 from pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
 from pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
@@ -67,7 +74,40 @@ def _current_message() -> dramatiq.Message[Any]:
 
 async def resolve(request: object) -> None:
     rt = runtime()
-    message = _current_message()
+    if (admitted := await _admit(request, _current_message())) is None:
+        return
+    req, cid = admitted
+    t0 = time.perf_counter()
+    # `accepted` is the first event of a turn; resolve's own `started` follows it.
+    begin = await rt.store.begin(req.turn_id, "resolve", now=rt.now(), announce=False)
+    if await _not_live(begin, req.turn_id, "resolve"):
+        return
+    try:
+        conversation = await rt.store.load_conversation(req.conversation_id) if req.conversation_id else None
+        config, ref = await rt.store.load_config(req.agent_id, choose_config(req, conversation))
+        resolved, decision = resolve_turn(req, conversation=conversation, config=config, config_ref=ref,
+                                          new_conversation_id=cid, now=rt.now())
+    except ThreadlineError as e:
+        await rt.end_turn(req.turn_id, "failed", code=e.code, message=e.message)
+        return
+    log.info("resolved", config_ref=decision.config_ref, new_conversation=decision.new_conversation,
+             missing_variables=decision.missing_variables)
+    accepted = events.accepted(req.turn_id, 1, conversation_id=cid, message_id=resolved.message_id,
+                               parent_message_id=resolved.parent_message_id, config_version=ref)
+    await rt.store.advance(
+        req.turn_id, "resolve", next_=Next("history", _envelope(req.turn_id, "history"), rt.new_id()),
+        now=rt.now(), now_ms=now_ms(), artifact=("resolved", resolved.model_dump_json()),
+        events=[accepted, events.stage(req.turn_id, 1, "resolve", "started"),
+                _finished(req.turn_id, begin, "resolve", t0)],
+        fence=begin.fence, conversation_id=cid,
+        accept=(conversation_fields(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s),
+    )
+
+
+async def _admit(request: object, message: dramatiq.Message[Any]) -> tuple[TurnRequest, str] | None:
+    """Validate the request and take the turn's place in its conversation's line: the request and
+    conversation id when the turn may run now; None when it ended (bad input, cancelled) or waits."""
+    rt = runtime()
     turn_id = extract_turn_id(request) or message.message_id
     structlog.contextvars.bind_contextvars(turn_id=turn_id)
     try:
@@ -77,7 +117,7 @@ async def resolve(request: object) -> None:
         # a producer may have put the turn in its conversation's line: take it out again
         await rt.end_turn(turn_id, "failed", code=e.code, message=e.message,
                           conversation_id=extract_conversation_id(request))
-        return
+        return None
     cid = req.conversation_id or new_conversation_id(turn_id)
     structlog.contextvars.bind_contextvars(conversation_id=cid)
     _, _, wake = build_message("resolve", "resolve", (req.model_dump(mode="json", by_alias=True),),
@@ -88,31 +128,8 @@ async def resolve(request: object) -> None:
                           message="cancelled before resolve: the turn never started")
     if admission != "admitted":
         log.info("turn_not_admitted", admission=admission, behind=other)
-        return
-    t0 = time.perf_counter()
-    # `accepted` is the first event of a turn; resolve's own `started` follows it.
-    begin = await rt.store.begin(turn_id, "resolve", now=rt.now(), announce=False)
-    if await _not_live(begin, turn_id, "resolve"):
-        return
-    try:
-        conversation = await rt.store.load_conversation(req.conversation_id) if req.conversation_id else None
-        config, ref = await rt.store.load_config(req.agent_id, choose_config(req, conversation))
-        resolved, decision = resolve_turn(req, conversation=conversation, config=config, config_ref=ref,
-                                          new_conversation_id=cid, now=rt.now())
-    except ThreadlineError as e:
-        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message)
-        return
-    log.info("resolved", config_ref=decision.config_ref, new_conversation=decision.new_conversation,
-             missing_variables=decision.missing_variables)
-    accepted = events.accepted(turn_id, 1, conversation_id=cid, message_id=resolved.message_id,
-                               parent_message_id=resolved.parent_message_id, config_version=ref)
-    await rt.store.advance(
-        turn_id, "resolve", next_=Next("history", _envelope(turn_id, "history"), rt.new_id()),
-        now=rt.now(), now_ms=now_ms(), artifact=("resolved", resolved.model_dump_json()),
-        events=[accepted, events.stage(turn_id, 1, "resolve", "started"), _finished(turn_id, begin, "resolve", t0)],
-        fence=begin.fence, conversation_id=cid,
-        accept=(conversation_fields(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s),
-    )
+        return None
+    return req, cid
 
 
 def _finished(turn_id: str, begin: Begin, stage: Stage, t0: float) -> events.Event:
