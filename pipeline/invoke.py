@@ -396,7 +396,8 @@ def retry_delay_s(outcome: InvokeOutcome, *, attempt: int, max_attempts: int) ->
     if outcome.status != "failed" or not outcome.transient or attempt >= max_attempts:
         return None
     backoff = min(0.5 * 2 ** (attempt - 1), 10.0)
-    return min(outcome.retry_after_s, 60.0) if outcome.retry_after_s else backoff
+    # a provider's Retry-After is honoured up to 30 s: a turn is not left waiting longer
+    return min(outcome.retry_after_s, 30.0) if outcome.retry_after_s else backoff
 
 
 def model_error_code(error: BaseException) -> tuple[ErrorCode, bool]:

@@ -120,13 +120,14 @@ def workers(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture
-def isolated(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], WorkerPool]]:
-    """Worker pools on a prefix of their own, for tests that must control which queues are served."""
+def isolated(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., WorkerPool]]:
+    """Worker pools on a prefix of their own, for tests that must control which queues are served
+    or which settings the workers run with."""
     name = f"tli{uuid.uuid4().hex[:8]}"
     pools: list[WorkerPool] = []
 
-    def pool() -> WorkerPool:
-        pools.append(WorkerPool(redis_url, name, tmp_path_factory.mktemp("logs")))
+    def pool(env: dict[str, str] | None = None) -> WorkerPool:
+        pools.append(WorkerPool(redis_url, name, tmp_path_factory.mktemp("logs"), env=env))
         return pools[-1]
 
     yield pool

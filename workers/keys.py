@@ -73,6 +73,10 @@ class Keys:
     def invoke_claim(self, turn_id: str) -> str:
         return f"{self.prefix}:turn:{turn_id}:claim"
 
+    def running(self) -> str:
+        """Sorted set: turns between admission and their end, scored by their last progress."""
+        return f"{self.prefix}:running"
+
     def usage(self, tenant_id: str) -> str:
         """Hash: token and request counters per tenant, each turn counted once."""
         return f"{self.prefix}:usage:{tenant_id}"

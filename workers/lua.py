@@ -33,7 +33,7 @@ local function stage_started(turn_id, attempt, stage)
 end
 """
 
-#: Start a stage. KEYS: turn, events, cancel flag, artifact a, artifact b, invoke claim.
+#: Start a stage. KEYS: turn, events, cancel flag, artifact a, artifact b, invoke claim, running turns.
 #: ARGV: stage, turn_id, now, check interrupts (cancel flag, deadline), claim token ("" = none),
 #:       claim ttl ms, emit the `started` event ("1"/"0").
 BEGIN = PRELUDE + r"""
@@ -59,6 +59,7 @@ if ARGV[5] ~= '' then
   end
 end
 redis.call('HSET', turn, 'stage', stage)
+redis.call('ZADD', KEYS[7], now, turn_id)
 if ARGV[7] == '1' then emit(turn, events, stage_started(turn_id, attempt, stage)) end
 return {'go', tostring(attempt), redis.call('GET', KEYS[4]) or '', redis.call('GET', KEYS[5]) or '',
         redis.call('HGET', turn, 'conversation_id') or '', redis.call('HGET', turn, 'fence') or '',
@@ -67,7 +68,7 @@ return {'go', tostring(attempt), redis.call('GET', KEYS[4]) or '', redis.call('G
 
 #: Join a conversation's line of turns (if the producer did not already, see SUBMIT) by arrival
 #: time; run now if first in line with the conversation free, else wait to be woken.
-#: KEYS: turn, turn queue, lease, cancel flag.
+#: KEYS: turn, turn queue, lease, cancel flag, running turns.
 #: ARGV: turn_id, (unused), now, conversation_id, wake id base, wake data, ttl s.
 ADMIT = PRELUDE + r"""
 local turn, queue, lease = KEYS[1], KEYS[2], KEYS[3]
@@ -90,11 +91,12 @@ end
 local fence = redis.call('HINCRBY', lease, 'fence', 1)
 redis.call('HSET', lease, 'turn', turn_id)
 redis.call('HSET', turn, 'status', 'running', 'fence', fence, 'admitted_at', ARGV[3])
+redis.call('ZADD', KEYS[5], ARGV[3], turn_id)
 return {'admitted', tostring(fence)}
 """
 
 #: Finish a stage and hand over to the next, atomically; the end of resolve also accepts the turn.
-#: KEYS: turn, events, artifact out, conversation, messages, message order, lease.
+#: KEYS: turn, events, artifact out, conversation, messages, message order, lease, running turns.
 #: ARGV: stage, turn_id, fence, artifact, artifact ttl ms, namespace, next queue, next id, next data,
 #:       doorbell channel, now, accept JSON ({"conversation": fields, "deadline_at"}; "" = no),
 #:       message id, message row, events...
@@ -121,19 +123,22 @@ if ARGV[12] ~= '' then
   redis.call('HSET', turn, 'message_id', ARGV[13])
 end
 redis.call('HSET', turn, 'done:' .. stage, ARGV[11])
+redis.call('ZADD', KEYS[8], ARGV[11], turn_id)
 if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5]) end
 for i = 15, #ARGV do emit(turn, events, ARGV[i]) end
 enqueue(ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
 return 'ok'
 """
 
-#: Give a failed invoke attempt another go later. KEYS: turn, events, invoke claim.
-#: ARGV: namespace, delayed queue, message id, message data, doorbell channel, retrying event.
+#: Give a failed invoke attempt another go later. KEYS: turn, events, invoke claim, running turns.
+#: ARGV: namespace, delayed queue, message id, message data, doorbell channel, retrying event, turn id,
+#:       now.
 RETRY = PRELUDE + r"""
 local status = redis.call('HGET', KEYS[1], 'status')
 if status and TERMINAL[status] then return 'terminal' end
 redis.call('HSET', KEYS[1], 'retry_pending', '1')
 redis.call('DEL', KEYS[3])
+redis.call('ZADD', KEYS[4], ARGV[8], ARGV[7])
 emit(KEYS[1], KEYS[2], ARGV[6])
 enqueue(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 return 'ok'
@@ -141,7 +146,8 @@ return 'ok'
 
 #: The one terminal write of a turn: message row, snapshot, conversation revision, usage and the
 #: terminal event, exactly once; then release the conversation and wake the next turn in line.
-#: KEYS: turn, events, conversation, messages, snapshots, lease, turn queue, usage, invoke claim.
+#: KEYS: turn, events, conversation, messages, snapshots, lease, turn queue, usage, invoke claim,
+#:       running turns.
 #: ARGV: turn_id, status, terminal event, message id ("" = not accepted), message row, snapshot
 #:       ("" = keep the previous), pending calls JSON, fence, namespace, doorbell channel, now,
 #:       ttl s, input tokens, output tokens, requests, conversation id ("" = none), key prefix,
@@ -167,6 +173,7 @@ end
 for i = 18, #ARGV do emit(turn, events, ARGV[i]) end
 emit(turn, events, ARGV[3])
 redis.call('HSET', turn, 'status', ARGV[2], 'finished_at', ARGV[11])
+redis.call('ZREM', KEYS[10], turn_id)
 redis.call('HDEL', turn, 'wake_data')
 redis.call('DEL', KEYS[9])
 redis.call('EXPIRE', turn, ARGV[12])
@@ -191,6 +198,27 @@ if conversation_id ~= '' then
   end
 end
 return {'ok'}
+"""
+
+#: Look at a turn that made no progress for a while (its worker may have died): "alive" while an
+#: invoke claim shows a run in progress, else the stage to run again. Either way its clock restarts.
+#: KEYS: turn, invoke claim, running turns. ARGV: turn id, now.
+STALLED = PRELUDE + r"""
+local turn, turn_id = KEYS[1], ARGV[1]
+local status = redis.call('HGET', turn, 'status')
+if status ~= 'running' then
+  redis.call('ZREM', KEYS[3], turn_id)
+  return {'gone'}
+end
+redis.call('ZADD', KEYS[3], ARGV[2], turn_id)
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'alive'} end
+for _, stage in ipairs({'resolve', 'history', 'map', 'invoke', 'persist'}) do
+  if redis.call('HEXISTS', turn, 'done:' .. stage) == 0 then
+    return {'stalled', stage, redis.call('HGET', turn, 'attempt') or '1',
+            redis.call('HGET', turn, 'wake_id') or '', redis.call('HGET', turn, 'wake_data') or ''}
+  end
+end
+return {'gone'}
 """
 
 #: A producer's enqueue of a turn: the dramatiq message, the doorbell, and (for an existing

@@ -43,6 +43,9 @@ class Settings:
     cancel_ttl_s: int = 86_400
     debounce_ms: int = 75
     invoke_lease_s: float = 30.0
+    #: A turn with no progress (and no live invoke claim) for this long is enqueued again.
+    stall_s: float = 60.0
+    watchdog_s: float = 10.0
     max_invoke_attempts: int = 3
     #: Configs may name `python:module:function` models and tools (tests, trusted deployments).
     allow_python_models: bool = False
@@ -75,6 +78,8 @@ class Settings:
             cancel_ttl_s=_int(env, "TL_CANCEL_TTL_S", 86_400),
             debounce_ms=_int(env, "TL_DEBOUNCE_MS", 75),
             invoke_lease_s=_float(env, "TL_INVOKE_LEASE_S", 30.0),
+            stall_s=_float(env, "TL_STALL_S", 60.0),
+            watchdog_s=_float(env, "TL_WATCHDOG_S", 10.0),
             max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3),
             allow_python_models=env.get("TL_ALLOW_PYTHON_PLUGINS", "") in ("1", "true", "yes"),
             secrets=dict(env),

@@ -102,7 +102,7 @@ class Store:
         reply = await self._run(
             "BEGIN",
             [k.turn(turn_id), k.events(turn_id), k.cancel_flag(turn_id),
-             k.artifact(turn_id, inputs[0]), k.artifact(turn_id, inputs[1]), k.invoke_claim(turn_id)],
+             k.artifact(turn_id, inputs[0]), k.artifact(turn_id, inputs[1]), k.invoke_claim(turn_id), k.running()],
             [stage, turn_id, now, "1" if check_interrupts else "0", claim, int(self.settings.invoke_lease_s * 1000),
              "1" if announce else "0"],
         )
@@ -123,7 +123,8 @@ class Store:
         k = self.keys
         reply = await self._run(
             "ADMIT",
-            [k.turn(turn_id), k.turn_queue(conversation_id), k.lease(conversation_id), k.cancel_flag(turn_id)],
+            [k.turn(turn_id), k.turn_queue(conversation_id), k.lease(conversation_id), k.cancel_flag(turn_id),
+             k.running()],
             [turn_id, "", now, conversation_id, f"wake.{turn_id}", wake, self.settings.turn_ttl_s],
         )
         return reply[0].decode(), (reply[1].decode() if len(reply) > 1 and reply[1] else "")
@@ -159,7 +160,7 @@ class Store:
         reply = await self._run(
             "ADVANCE",
             [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, art_name), k.conversation(cid),
-             k.messages(cid), k.message_order(cid), k.lease(cid)],
+             k.messages(cid), k.message_order(cid), k.lease(cid), k.running()],
             [stage, turn_id, fence, art_value, self.settings.artifact_ttl_s * 1000, self.settings.broker_namespace,
              queue, message_id, data, k.doorbell_channel(), now, conv_fields, message_id_arg, row,
              *(_dumps(e) for e in events)],
@@ -167,14 +168,16 @@ class Store:
         return str(reply.decode() if isinstance(reply, bytes) else reply)
 
     async def retry_invoke(self, turn_id: str, *, next_: Next, now_ms: int, event: Event) -> str:
+        """Schedule the next attempt (a delayed message), announced by `event`."""
         k = self.keys
         queue, message_id, data = build_message(
             "invoke", "invoke", (next_.arg,), message_id=next_.message_id, now_ms=now_ms, delay_ms=next_.delay_ms
         )
         reply = await self._run(
             "RETRY",
-            [k.turn(turn_id), k.events(turn_id), k.invoke_claim(turn_id)],
-            [self.settings.broker_namespace, queue, message_id, data, k.doorbell_channel(), _dumps(event)],
+            [k.turn(turn_id), k.events(turn_id), k.invoke_claim(turn_id), k.running()],
+            [self.settings.broker_namespace, queue, message_id, data, k.doorbell_channel(), _dumps(event), turn_id,
+             now_ms / 1000],
         )
         return str(reply.decode())
 
@@ -186,7 +189,7 @@ class Store:
         reply = await self._run(
             "FINISH",
             [k.turn(f.turn_id), k.events(f.turn_id), k.conversation(cid), k.messages(cid), k.snapshots(cid),
-             k.lease(cid), k.turn_queue(cid), k.usage(f.tenant_id or "-"), k.invoke_claim(f.turn_id)],
+             k.lease(cid), k.turn_queue(cid), k.usage(f.tenant_id or "-"), k.invoke_claim(f.turn_id), k.running()],
             [f.turn_id, f.status, _dumps(f.event), f.message.id if f.message else "",
              f.message.model_dump_json() if f.message else "", f.snapshot or "", _dumps(list(f.pending_tool_calls)),
              f.fence, self.settings.broker_namespace, k.doorbell_channel(), now, self.settings.turn_ttl_s,

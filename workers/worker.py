@@ -26,11 +26,13 @@ from dramatiq.middleware import Middleware
 
 from .actors import declare_actors
 from .broker import QUEUES, DoorbellBroker, make_broker
+from .client import Client
 from .control import CancelRegistry, CancelWatcher
 from .logs import configure_logging
 from .runtime import Runtime, runtime, set_runtime
 from .settings import Settings
 from .store import Store
+from .watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
@@ -42,12 +44,15 @@ class Boot(Middleware):
         self.settings = settings
         self.url = url
         self.watcher: CancelWatcher | None = None
+        self.watchdog: Watchdog | None = None
 
     def before_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         assert isinstance(broker, DoorbellBroker)
         registry = CancelRegistry()
         set_runtime(Runtime(Store.connect(self.url, self.settings), registry))
         self.watcher = CancelWatcher(registry, broker.listener, self.url, broker.keys)
+        self.watchdog = Watchdog(Client(self.url, prefix=self.settings.prefix), stall_s=self.settings.stall_s,
+                                 every_s=self.settings.watchdog_s)
 
     def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         assert isinstance(broker, DoorbellBroker)
@@ -56,6 +61,8 @@ class Boot(Middleware):
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         set_runtime(None)
 
 
