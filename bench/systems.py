@@ -24,14 +24,12 @@ from typing import Any, cast
 import redis
 
 from pipeline.config import AgentConfig
-from pipeline.contracts import TERMINAL_TYPES
+from pipeline.contracts import STAGES, TERMINAL_TYPES
 from workers.client import Client
 
 from . import bare_chain
 from .procs import Child, Processes, python_env
 from .stats import percentile
-
-STAGES = ("resolve", "history", "map", "invoke", "persist")
 
 Entry = tuple[str, dict[bytes, bytes]]
 

@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from .errors import InvalidRequest
 
 TURN_SCHEMA = "threadline.turn/v1"
-ENVELOPE_VERSION = 1
 
 Stage = Literal["resolve", "history", "map", "invoke", "persist"]
 STAGES: tuple[Stage, ...] = ("resolve", "history", "map", "invoke", "persist")

@@ -11,7 +11,6 @@ ErrorCode = Literal[
     "forbidden",
     "context_too_large",
     "agent_session_configuration_changed",
-    "conversation_busy",
     "snapshot_corrupt",
     "model_rate_limited",
     "model_unavailable",

@@ -12,7 +12,6 @@ from pydantic_ai.messages import (
     ModelResponse,
     TextPart,
     ToolCallPart,
-    ToolReturnPart,
 )
 
 from .contracts import Usage
@@ -57,15 +56,6 @@ def run_usage(new_messages: Sequence[ModelMessage]) -> Usage:
         requests=len(responses),
     )
 
-
-def answered_calls(new_messages: Sequence[ModelMessage]) -> set[str]:
-    return {
-        p.tool_call_id
-        for m in new_messages
-        if isinstance(m, ModelRequest)
-        for p in m.parts
-        if isinstance(p, ToolReturnPart)
-    }
 
 
 def pending_row(turn: ResolvedTurn) -> MessageRecord:

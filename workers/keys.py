@@ -87,7 +87,3 @@ class Keys:
 
     def doorbell_channel(self) -> str:
         return f"{self.prefix}:doorbell"
-
-    def pattern(self) -> str:
-        """Every key under this prefix (for cleanup in tests)."""
-        return f"{self.prefix}:*"

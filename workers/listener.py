@@ -25,7 +25,6 @@ class Listener:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._subscribed = threading.Event()
 
     def on(self, channel: str, handler: Handler) -> None:
         with self._lock:
@@ -35,9 +34,6 @@ class Listener:
     def on_reconnect(self, hook: Callable[[], None]) -> None:
         with self._lock:
             self._reconnect_hooks.append(hook)
-
-    def wait_subscribed(self, timeout: float) -> bool:
-        return self._subscribed.wait(timeout)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -57,7 +53,6 @@ class Listener:
                 self._listen()
                 backoff = 0.1
             except (redis.RedisError, OSError) as e:
-                self._subscribed.clear()
                 log.warning("listener_disconnected", error=str(e), retry_in_s=backoff)
                 self._notify_reconnect()
                 self._stopping.wait(backoff)
@@ -78,9 +73,8 @@ class Listener:
                 if message is None:
                     continue
                 if message["type"] == "subscribe" and message["data"] == len(subscribed):
-                    # Confirmed: anything published from now on reaches us. Whatever was rung
-                    # while we were away is caught by a poll.
-                    self._subscribed.set()
+                    # Confirmed: anything published from now on reaches us; ring everyone once so
+                    # that what was enqueued while we were away is fetched now.
                     self._notify_reconnect()
                 elif message["type"] == "message":
                     self._dispatch(message["channel"].decode(), message["data"].decode())

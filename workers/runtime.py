@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
 
 import structlog
 
@@ -110,6 +109,3 @@ def runtime() -> Runtime:
         raise RuntimeError("the worker runtime is not set up (workers.worker.boot)")
     return _runtime
 
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
