@@ -1,6 +1,6 @@
 """Stage 4, invoke: one pydantic-ai run of the turn, streamed to an event sink, ending in an outcome.
 
-The shell passes in the model, the cancellation token, a clock and a sink for events; this module
+The shell passes in the agent, the cancellation token, a clock and a sink for events; this module
 never touches Redis. Whatever happens to the run (success, model error, cancel, deadline, pause),
 it returns an `InvokeOutcome` holding the run's new messages for `persist`.
 """
@@ -315,7 +315,6 @@ async def run_turn(
     run_id = f"{turn.turn_id}/{attempt}"
     deferred = DeferredToolResults(calls=dict(turn.deferred_answers)) if turn.deferred_answers else None
     stream = TurnStream(turn.turn_id, attempt, sink, clock, TextDebouncer(window_s=debounce_s))
-    outcome: InvokeOutcome
     async with stream:
         with capture_run_messages() as captured:
             try:
@@ -334,11 +333,10 @@ async def run_turn(
                 )
                 output: str | DeferredToolRequests | None = result.output
                 failure: BaseException | None = None
-            except (AgentRunError, ThreadlineError, UserError) as e:
+            except Exception as e:  # a broken tool too: the turn ends `failed`, its history kept
                 output, failure = None, e
         new = [m for m in captured if m.run_id == run_id]
-    outcome = _outcome(output, failure, new, stream)
-    return outcome
+    return _outcome(output, failure, new, stream)
 
 
 def _outcome(
@@ -420,7 +418,7 @@ def model_error_code(error: BaseException) -> tuple[ErrorCode, bool]:
             return "model_unavailable", True
         if status >= 400:
             return "model_bad_request", False
-    return "model_error", False
+    return ("model_error" if isinstance(error, AgentRunError | UserError) else "internal_error"), False
 
 
 def _safe_message(error: BaseException) -> str:

@@ -34,6 +34,7 @@ from pipeline.invoke import (
     retry_delay_s,
     run_turn,
 )
+from pipeline.mapping import normalise_messages
 from pipeline.models import StrictSystemModel, build_model, chat_answer, profile_for
 from pipeline.persist import prepare_snapshot, run_answer
 from pipeline.records import ResolvedTurn
@@ -217,3 +218,32 @@ def test_retry_delay_is_bounded_and_only_for_transient_failures() -> None:
     permanent = InvokeOutcome(status="failed", code="model_bad_request")
     assert retry_delay_s(permanent, attempt=1, max_attempts=3) is None
     assert retry_delay_s(InvokeOutcome(status="cancelled"), attempt=1, max_attempts=3) is None
+
+
+def broken_tool() -> str:
+    """A tool with a bug."""
+    raise ValueError("bug in the tool")
+
+
+async def test_a_broken_tool_fails_the_turn_once_and_keeps_its_history() -> None:
+    from pydantic_ai import Tool
+
+    turn = resolved()
+    agent = build_agent(TestModel(call_tools=["broken_tool"]), [Tool(broken_tool)])
+    outcome = await run_turn(turn, [], agent=agent, attempt=1, sink=_ignore, token=CancellationToken(),
+                             clock=lambda: 0.0, timeout_s=10)
+    assert (outcome.status, outcome.code, outcome.transient) == ("failed", "internal_error", False)
+    assert "bug in the tool" in (outcome.message or "")
+    stored = decode_messages(outcome.snapshot or "", where="test")
+    assert stored[-1].state == "interrupted"  # pydantic-ai marks where the run stopped
+    assert any(isinstance(p, ToolCallPart) and p.tool_name == "broken_tool"
+               for m in stored if isinstance(m, ModelResponse) for p in m.parts)
+    # and the next turn continues from it (the map stage repairs the open call)
+    history, _ = normalise_messages(stored)
+    after = await run_turn(turn.model_copy(update={"turn_id": "t2"}), history, agent=build_agent(TestModel()),
+                           attempt=1, sink=_ignore, token=CancellationToken(), clock=lambda: 0.0, timeout_s=10)
+    assert after.status == "succeeded"
+
+
+async def _ignore(event: dict[str, Any]) -> None:
+    return None
