@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+import redis
 
 from tests.conftest import ROOT, WorkerPool
 from workers.worker import Supervisor
@@ -38,4 +39,7 @@ def test_a_dead_worker_process_is_replaced_and_stop_leaves_none(redis_url: str) 
         stop.set()
         watcher.join(timeout=5)
         supervisor.stop()
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
     assert all(child.poll() is not None for child in supervisor.children)
