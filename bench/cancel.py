@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 import uuid
@@ -20,7 +19,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import redis
 from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
@@ -28,8 +26,9 @@ from pipeline.config import AgentConfig
 from pipeline.contracts import TERMINAL_TYPES
 from workers.client import Client
 
-from .procs import Processes, Server, python_env, raise_on_sigterm
+from .procs import Processes, Server, raise_on_sigterm
 from .stats import Summary
+from .systems import ThreadlineSystem
 
 TARGET_P99_MS = 200.0
 
@@ -54,16 +53,6 @@ def endless(options: dict[str, Any]) -> FunctionModel:
                 handle.write(json.dumps({"turn": query, "closed_at": time.time()}) + "\n")
 
     return FunctionModel(stream_function=stream, model_name="bench:endless")
-
-
-def wait_ready(url: str, prefix: str, processes: int, timeout_s: float = 30) -> None:
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + timeout_s
-    while client.pubsub_numsub(f"{prefix}:cancel")[0][1] < processes:
-        if time.monotonic() > deadline:
-            raise TimeoutError("workers did not start")
-        time.sleep(0.05)
-    client.close()
 
 
 def closed_at(record: Path, turn_id: str, timeout_s: float = 10) -> float:
@@ -110,13 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(processes, work / "server")
     prefix = f"tlcancel{uuid.uuid4().hex[:6]}"
     try:
-        url = server.start()
-        env = python_env({"REDIS_URL": url, "TL_PREFIX": prefix, "TL_ALLOW_PYTHON_PLUGINS": "1",
-                          "TL_LOG_LEVEL": "WARNING", "TL_LOG_FORMAT": "json"})
-        for i in range(args.processes):
-            processes.spawn(f"worker-{i}", [sys.executable, "-m", "workers.worker", "--threads", "8"], env)
-        wait_ready(url, prefix, args.processes)
-        client = Client(url, prefix=prefix)
+        system = ThreadlineSystem(processes, server.start(), prefix=prefix, threads=8,
+                                  env={"TL_ALLOW_PYTHON_PLUGINS": "1", "TL_LOG_LEVEL": "WARNING"})
+        system.start(args.processes)
+        client = system.client
         record = work / "closed.jsonl"
         client.put_agent(AgentConfig.model_validate({
             "id": "endless", "model": {"provider": "python", "name": "bench.cancel:endless",
@@ -136,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| p99 < {TARGET_P99_MS:.0f} ms: {verdict} |")
         print(f"| terminal `cancelled` event seen by the client | {event.p50:.1f} | {event.p99:.1f} "
               f"| {event.max:.1f} | |")
-        client.close()
+        system.close()
         return 0 if verdict == "pass" else 1
     finally:
         processes.stop_all()

@@ -22,10 +22,9 @@ from .records import MessageRecord
 
 @dataclass(frozen=True, slots=True)
 class ThreadDecision:
-    """How the thread was found: its length, and whether the read bound cut it."""
+    """How the history was assembled: the thread's length and where each message came from."""
 
     messages: int
-    truncated: bool
     from_snapshots: int
     from_text: int
 
@@ -86,5 +85,5 @@ def assemble_history(
             history.append(ModelRequest(parts=[UserPromptPart(record.query)]))
             history.append(ModelResponse(parts=[TextPart(record.answer)]))
             from_text += 1
-    decision = ThreadDecision(len(thread), False, from_snapshots, from_text)
+    decision = ThreadDecision(len(thread), from_snapshots, from_text)
     return history, decision
