@@ -21,10 +21,9 @@ from typing import Any
 
 from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
-
-from pipeline.config import AgentConfig
-from pipeline.contracts import TERMINAL_TYPES
-from workers.client import Client
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.contracts import TERMINAL_TYPES
+from threadline.workers.client import Client
 
 from .procs import Processes, Server, raise_on_sigterm
 from .stats import Summary

@@ -2,7 +2,7 @@
 until they are ready, run one timed turn into an idle system, and push a batch through as fast as
 possible.
 
-- `ThreadlineSystem`: real `python -m workers.worker` processes, turns submitted with
+- `ThreadlineSystem`: real `python -m threadline.workers.worker` processes, turns submitted with
   `workers.client.Client` exactly as a producer would, timed to the turn's terminal event.
 - `BareSystem`: `python -m bench.bare_chain` processes, chains sent with a stock dramatiq producer,
   timed to the chain's completion marker.
@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
-
-from pipeline.config import AgentConfig
-from pipeline.contracts import STAGES, TERMINAL_TYPES
-from workers.client import Client
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.contracts import STAGES, TERMINAL_TYPES
+from threadline.workers.client import Client
 
 from . import bare_chain
 from .procs import Child, Processes, python_env
@@ -166,7 +165,7 @@ class ThreadlineSystem:
             self._spawned += 1
             new.append(self.processes.spawn(
                 f"threadline-worker-{self._spawned}",
-                [sys.executable, "-m", "workers.worker", "--threads", str(self.threads)], self.env,
+                [sys.executable, "-m", "threadline.workers.worker", "--threads", str(self.threads)], self.env,
             ))
         self.workers.extend(new)
         self._wait_ready(len(self.workers), new)

@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 import redis
-
-from pipeline.config import AgentConfig
-from workers.client import Client
-from workers.embedded import ensure_embedded
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.client import Client
+from threadline.workers.embedded import ensure_embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +44,7 @@ def prefix(redis_url: str) -> Iterator[str]:
 
 
 class WorkerPool:
-    """Real worker processes (`python -m workers.worker`) against the test server."""
+    """Real worker processes (`python -m threadline.workers.worker`) against the test server."""
 
     def __init__(self, url: str, prefix: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.url = url
@@ -65,7 +64,7 @@ class WorkerPool:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, processes: int = 2, threads: int = 8, queues: tuple[str, ...] = ()) -> WorkerPool:
-        command = [sys.executable, "-m", "workers.worker", "--threads", str(threads)]
+        command = [sys.executable, "-m", "threadline.workers.worker", "--threads", str(threads)]
         if queues:
             command += ["--queues", *queues]
         with open(self.log_path, "ab") as log:

@@ -15,9 +15,8 @@ import dramatiq
 import structlog
 from dramatiq.middleware import CurrentMessage
 from pydantic_ai import CancellationToken
-
-from pipeline import events
-from pipeline.contracts import (
+from threadline.pipeline import events
+from threadline.pipeline.contracts import (
     Envelope,
     Stage,
     TurnRequest,
@@ -25,13 +24,13 @@ from pipeline.contracts import (
     extract_turn_id,
     parse_turn_request,
 )
-from pipeline.errors import ThreadlineError
-from pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
-from pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
-from pipeline.mapping import normalise_messages
-from pipeline.persist import conversation_fields, final_row, pending_row
-from pipeline.records import ResolvedTurn
-from pipeline.resolve import choose_config, resolve_turn
+from threadline.pipeline.errors import ThreadlineError
+from threadline.pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
+from threadline.pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
+from threadline.pipeline.mapping import normalise_messages
+from threadline.pipeline.persist import conversation_fields, final_row, pending_row
+from threadline.pipeline.records import ResolvedTurn
+from threadline.pipeline.resolve import choose_config, resolve_turn
 
 from .broker import WAKE_ID, build_message, now_ms
 from .runtime import runtime

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.contracts import TERMINAL_TYPES
-from pipeline.errors import ThreadlineError
+from threadline.pipeline.contracts import TERMINAL_TYPES
+from threadline.pipeline.errors import ThreadlineError
 
 from .client import Client
 from .embedded import EmbeddedServer, ensure_embedded

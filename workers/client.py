@@ -14,11 +14,10 @@ from typing import Any
 
 import redis
 from pydantic_ai.messages import ModelMessage
-
-from pipeline.config import AgentConfig, config_to_json, parse_agent_config
-from pipeline.contracts import TERMINAL_TYPES, TURN_SCHEMA
-from pipeline.history import encode_messages, extract_thread
-from pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
+from threadline.pipeline.config import AgentConfig, config_to_json, parse_agent_config
+from threadline.pipeline.contracts import TERMINAL_TYPES, TURN_SCHEMA
+from threadline.pipeline.history import encode_messages, extract_thread
+from threadline.pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
 
 from . import lua
 from .broker import build_message

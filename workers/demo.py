@@ -8,7 +8,7 @@ import time
 import uuid
 from importlib import resources
 
-from pipeline.config import parse_agent_config
+from threadline.pipeline.config import parse_agent_config
 
 from .cli import connect, render_event
 from .client import Client
@@ -30,7 +30,7 @@ def run_demo(settings: Settings, *, delay_ms: int) -> int:
     supervisor.start()
     client = Client(url, prefix=settings.prefix)
     try:
-        text = resources.files("workers").joinpath("demo_agent.yaml").read_text()
+        text = resources.files("threadline.workers").joinpath("demo_agent.yaml").read_text()
         config = parse_agent_config(text)
         model = config.model.model_copy(update={"options": {"delay_ms": delay_ms}})
         config = config.model_copy(update={"model": model})

@@ -11,15 +11,14 @@ import time
 import uuid
 
 import structlog
-
-from pipeline import events
-from pipeline.config import ModelSpec
-from pipeline.contracts import TerminalType
-from pipeline.errors import ErrorCode
-from pipeline.invoke import TurnAgent, build_agent, build_tools
-from pipeline.models import build_model
-from pipeline.persist import final_row
-from pipeline.records import ResolvedTurn
+from threadline.pipeline import events
+from threadline.pipeline.config import ModelSpec
+from threadline.pipeline.contracts import TerminalType
+from threadline.pipeline.errors import ErrorCode
+from threadline.pipeline.invoke import TurnAgent, build_agent, build_tools
+from threadline.pipeline.models import build_model
+from threadline.pipeline.persist import final_row
+from threadline.pipeline.records import ResolvedTurn
 
 from .control import CancelRegistry
 from .store import Finish, Store
@@ -106,6 +105,6 @@ def set_runtime(runtime: Runtime | None) -> None:
 
 def runtime() -> Runtime:
     if _runtime is None:
-        raise RuntimeError("the worker runtime is not set up (workers.worker.boot)")
+        raise RuntimeError("the worker runtime is not set up (threadline.workers.worker)")
     return _runtime
 

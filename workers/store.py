@@ -10,13 +10,12 @@ from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-
-from pipeline.config import AgentConfig, config_from_json
-from pipeline.contracts import Stage, TerminalType
-from pipeline.errors import AgentNotFound, ConversationNotFound
-from pipeline.events import Event
-from pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
-from pipeline.resolve import ConfigRef
+from threadline.pipeline.config import AgentConfig, config_from_json
+from threadline.pipeline.contracts import Stage, TerminalType
+from threadline.pipeline.errors import AgentNotFound, ConversationNotFound
+from threadline.pipeline.events import Event
+from threadline.pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
+from threadline.pipeline.resolve import ConfigRef
 
 from . import lua
 from .broker import build_message

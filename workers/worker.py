@@ -137,7 +137,7 @@ class Supervisor:
         self._stopping = False
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "workers.worker", "--threads", str(self.threads)]
+        command = [sys.executable, "-m", "threadline.workers.worker", "--threads", str(self.threads)]
         if self.queues:
             command += ["--queues", *self.queues]
         if self.log_path is None:
@@ -171,8 +171,8 @@ class Supervisor:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """One worker process (spawned by the supervisor): `python -m workers.worker`."""
-    parser = argparse.ArgumentParser(prog="python -m workers.worker")
+    """One worker process (spawned by the supervisor): `python -m threadline.workers.worker`."""
+    parser = argparse.ArgumentParser(prog="python -m threadline.workers.worker")
     parser.add_argument("--queues", nargs="*", default=[])
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)

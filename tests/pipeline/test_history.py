@@ -8,10 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
-
-from pipeline.errors import InvalidRequest, SnapshotCorrupt
-from pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
-from pipeline.records import MessageRecord
+from threadline.pipeline.errors import InvalidRequest, SnapshotCorrupt
+from threadline.pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
+from threadline.pipeline.records import MessageRecord
 
 
 def msg(id: str, parent: str | None, *, query: str = "", answer: str = "", status: str = "succeeded",

@@ -22,10 +22,9 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 from pydantic_ai.models.test import TestModel
-
-from pipeline.config import AgentConfig
-from pipeline.history import decode_messages
-from pipeline.invoke import (
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.history import decode_messages
+from threadline.pipeline.invoke import (
     InvokeOutcome,
     TextDebouncer,
     build_agent,
@@ -34,10 +33,10 @@ from pipeline.invoke import (
     retry_delay_s,
     run_turn,
 )
-from pipeline.mapping import normalise_messages
-from pipeline.models import StrictSystemModel, build_model, chat_answer, profile_for
-from pipeline.persist import prepare_snapshot, run_answer
-from pipeline.records import ResolvedTurn
+from threadline.pipeline.mapping import normalise_messages
+from threadline.pipeline.models import StrictSystemModel, build_model, chat_answer, profile_for
+from threadline.pipeline.persist import prepare_snapshot, run_answer
+from threadline.pipeline.records import ResolvedTurn
 
 models.ALLOW_MODEL_REQUESTS = False
 

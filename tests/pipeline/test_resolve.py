@@ -6,12 +6,11 @@ import json
 from typing import Any
 
 import pytest
-
-from pipeline.config import AgentConfig, expand_variables, parse_agent_config, whitelisted_settings
-from pipeline.contracts import extract_turn_id, parse_turn_request
-from pipeline.errors import Forbidden, InvalidRequest, SessionConfigurationChanged
-from pipeline.records import ConversationRecord
-from pipeline.resolve import ConfigRef, choose_config, resolve_turn
+from threadline.pipeline.config import AgentConfig, expand_variables, parse_agent_config, whitelisted_settings
+from threadline.pipeline.contracts import extract_turn_id, parse_turn_request
+from threadline.pipeline.errors import Forbidden, InvalidRequest, SessionConfigurationChanged
+from threadline.pipeline.records import ConversationRecord
+from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
 
 
 def request(**fields: Any) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import redis
+from threadline.workers.client import Client
 
 from tests.conftest import AgentFactory, WorkerPool, turn
-from workers.client import Client
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import redis
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest, ModelResponse, ToolReturnPart
+from threadline.pipeline.contracts import TERMINAL_TYPES
+from threadline.workers.client import Client
 
-from pipeline.contracts import TERMINAL_TYPES
 from tests.conftest import ROOT, AgentFactory, WorkerPool, turn
-from workers.client import Client
 
 pytestmark = pytest.mark.integration
 
@@ -256,7 +256,7 @@ def test_events_follow_shows_deltas_while_the_model_is_still_streaming(
     agent = make_agent(python_model("streaming", words=60, delay_ms=25, record=str(record)))
     turn_id = client.submit(turn(agent, "stream please"))
     env = {**os.environ, "REDIS_URL": workers.url, "TL_PREFIX": workers.prefix, "TL_LOG_LEVEL": "WARNING"}
-    cli = subprocess.Popen([sys.executable, "-m", "workers.cli", "events", turn_id, "--follow", "--json"],
+    cli = subprocess.Popen([sys.executable, "-m", "threadline.workers.cli", "events", turn_id, "--follow", "--json"],
                            env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert cli.stdout is not None
     first_delta_at = None

@@ -9,9 +9,9 @@ import shutil
 import subprocess
 
 import pytest
+from threadline.workers.client import Client
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool
-from workers.client import Client
 
 pytestmark = pytest.mark.integration
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.client import Client
 
-from pipeline.config import AgentConfig
 from tests.conftest import WorkerPool, turn
 from tests.workers.test_outcomes import assert_one_terminal, python_model, records, wait_for_event
-from workers.client import Client
 
 pytestmark = pytest.mark.integration
 

