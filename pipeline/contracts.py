@@ -11,13 +11,28 @@ from .errors import InvalidRequest
 
 TURN_SCHEMA = "threadline.turn/v1"
 
-Stage = Literal["resolve", "history", "map", "invoke", "persist"]
-STAGES: tuple[Stage, ...] = ("resolve", "history", "map", "invoke", "persist")
-TerminalType = Literal["succeeded", "paused", "failed", "cancelled", "timed_out"]
-TERMINAL_TYPES: frozenset[str] = frozenset({"succeeded", "paused", "failed", "cancelled", "timed_out"})
-
-Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]*$")]
+#: Every id a producer chooses. No `:` (the key separator) and no braces (hash tags), so no id can
+#: name another turn's, conversation's or agent's key: ids are isolated by construction.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"
+Id = Annotated[str, Field(min_length=1, max_length=128, pattern=ID_PATTERN)]
+#: Shorter, so that the id of the conversation a turn starts (`c-<turn_id>`) is a valid id too.
+TurnId = Annotated[str, Field(min_length=1, max_length=120, pattern=ID_PATTERN)]
 _ID: TypeAdapter[str] = TypeAdapter(Id)
+_TURN_ID: TypeAdapter[str] = TypeAdapter(TurnId)
+
+
+def new_conversation_id(turn_id: str) -> str:
+    """The conversation a turn without `conversation_id` starts. Deterministic, so a redelivered
+    first turn creates the same conversation and a producer can name it before it exists."""
+    return f"c-{turn_id}"
+
+
+def valid_turn_id(value: object) -> str | None:
+    """`value` when it is a valid turn id, else None."""
+    try:
+        return _TURN_ID.validate_python(value)
+    except ValidationError:
+        return None
 
 
 class _Wire(BaseModel):
@@ -40,7 +55,7 @@ class TurnRequest(_Wire):
     """What a producer enqueues: "user U said Q in conversation C of agent A"."""
 
     schema_: Literal["threadline.turn/v1"] = Field(alias="schema")
-    turn_id: Id
+    turn_id: TurnId
     tenant_id: Id
     app_id: Id
     user_id: Id
@@ -70,6 +85,7 @@ def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: i
     """
     data = _as_object(raw)
     data.setdefault("turn_id", fallback_turn_id)
+    _check_text(data)
     try:
         request = TurnRequest.model_validate(data)
     except ValidationError as e:
@@ -88,23 +104,34 @@ def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: i
 
 def extract_turn_id(raw: object) -> str | None:
     """The turn id of a request that may be invalid, so its failure lands on the right stream."""
-    return _extract_id(raw, "turn_id")
+    return _extract_id(raw, "turn_id", _TURN_ID)
 
 
 def extract_conversation_id(raw: object) -> str | None:
     """The conversation id of a request that may be invalid."""
-    return _extract_id(raw, "conversation_id")
+    return _extract_id(raw, "conversation_id", _ID)
 
 
-def _extract_id(raw: object, field: str) -> str | None:
+def _extract_id(raw: object, field: str, adapter: TypeAdapter[str]) -> str | None:
     try:
         data = _as_object(raw)
     except InvalidRequest:
         return None
     try:
-        return _ID.validate_python(data.get(field))
+        return adapter.validate_python(data.get(field))
     except ValidationError:
         return None
+
+
+def _check_text(data: dict[str, Any]) -> None:
+    """Text that cannot be stored as UTF-8 (a lone surrogate such as "\\ud800") is refused here,
+    before it can fail a write later in the turn."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise InvalidRequest("turn request holds text that is not valid Unicode (a lone surrogate)") from None
+    except (TypeError, ValueError, RecursionError):
+        raise InvalidRequest("turn request is not plain JSON") from None
 
 
 def _as_object(raw: object) -> dict[str, Any]:
@@ -130,8 +157,9 @@ class Envelope(_Wire):
     """The small message passed between stages; artifacts live in Redis under turn-scoped keys."""
 
     v: Literal[1] = 1
-    turn_id: Id
-    stage: Stage
+    turn_id: TurnId
+    #: A stage of the stage graph (`pipeline.stages`).
+    stage: Id
     attempt: int = Field(default=1, ge=1)
 
 

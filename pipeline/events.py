@@ -1,75 +1,130 @@
-"""Constructors for turn events: each returns the JSON object of one event, minus `seq`.
+"""Turn events: a discriminated union (`type` is the discriminator) read and written through one
+`TypeAdapter`, shared by the workers, the client, the CLI and the tests.
 
-The store numbers events (`seq` 1, 2, ...) as it appends them to the turn's stream.
+The store numbers events as it appends them to the turn's stream: an event is encoded without
+`seq` (`encode`), and the script that appends it puts `"seq":N` in front. Events whose attempt
+only the store knows (a stage start after a claim) are encoded without `attempt` too
+(`encode(..., numbered_by_store=True)`), and the script adds it next to `seq`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from .contracts import Stage, TerminalType, Usage
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-Event = dict[str, Any]
+from .contracts import Usage
 
-
-def accepted(
-    turn_id: str,
-    attempt: int,
-    *,
-    conversation_id: str,
-    message_id: str,
-    parent_message_id: str | None,
-    config_version: str,
-) -> Event:
-    return {
-        "type": "accepted",
-        "turn_id": turn_id,
-        "attempt": attempt,
-        "conversation_id": conversation_id,
-        "message_id": message_id,
-        "parent_message_id": parent_message_id,
-        "config_version": config_version,
-    }
+TerminalType = Literal["succeeded", "paused", "failed", "cancelled", "timed_out"]
+TERMINAL_TYPES: frozenset[str] = frozenset({"succeeded", "paused", "failed", "cancelled", "timed_out"})
 
 
-def stage(turn_id: str, attempt: int, name: Stage, status: str, ms: float | None = None) -> Event:
-    event: Event = {"type": "stage", "turn_id": turn_id, "attempt": attempt, "stage": name, "status": status}
-    if ms is not None:
-        event["ms"] = round(ms, 2)
-    return event
+class _Event(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    turn_id: str
+    #: 1, 2, ... with no gaps, set by the store when the event is appended.
+    seq: int = 0
+    attempt: int = 1
 
 
-def text_delta(turn_id: str, attempt: int, text: str) -> Event:
-    return {"type": "text_delta", "turn_id": turn_id, "attempt": attempt, "text": text}
+class Accepted(_Event):
+    type: Literal["accepted"] = "accepted"
+    conversation_id: str
+    message_id: str
+    parent_message_id: str | None
+    config_version: str
 
 
-def tool_call(turn_id: str, attempt: int, *, tool_call_id: str, name: str, args: Any) -> Event:
-    return {
-        "type": "tool_call",
-        "turn_id": turn_id,
-        "attempt": attempt,
-        "tool_call_id": tool_call_id,
-        "name": name,
-        "args": args,
-    }
+class StageEvent(_Event):
+    type: Literal["stage"] = "stage"
+    stage: str
+    status: Literal["started", "finished"]
+    ms: float | None = None
+    #: The stage's decision record (what it chose and why), on `finished` events that have one.
+    decision: dict[str, Any] | None = None
 
 
-def tool_result(
-    turn_id: str, attempt: int, *, tool_call_id: str, name: str, content: Any, outcome: str
-) -> Event:
-    return {
-        "type": "tool_result",
-        "turn_id": turn_id,
-        "attempt": attempt,
-        "tool_call_id": tool_call_id,
-        "name": name,
-        "content": content,
-        "outcome": outcome,
-    }
+class TextDelta(_Event):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
 
 
-def retrying(turn_id: str, attempt: int, reason: str) -> Event:
-    return {"type": "retrying", "turn_id": turn_id, "attempt": attempt, "reason": reason}
+class ToolCall(_Event):
+    type: Literal["tool_call"] = "tool_call"
+    tool_call_id: str
+    name: str
+    args: Any = None
+
+
+class ToolResult(_Event):
+    type: Literal["tool_result"] = "tool_result"
+    tool_call_id: str
+    name: str
+    content: Any = None
+    outcome: str
+
+
+class Retrying(_Event):
+    type: Literal["retrying"] = "retrying"
+    reason: str
+
+
+class _Terminal(_Event):
+    answer: str = ""
+    usage: Usage | None = None
+    #: Set on the terminal events of accepted turns.
+    conversation_id: str | None = None
+    message_id: str | None = None
+
+
+class Succeeded(_Terminal):
+    type: Literal["succeeded"] = "succeeded"
+    usage: Usage = Field(default_factory=Usage)
+
+
+class Paused(_Terminal):
+    type: Literal["paused"] = "paused"
+    usage: Usage = Field(default_factory=Usage)
+    pending_tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class _Failure(_Terminal):
+    code: str
+    message: str = ""
+
+
+class Failed(_Failure):
+    type: Literal["failed"] = "failed"
+
+
+class Cancelled(_Failure):
+    type: Literal["cancelled"] = "cancelled"
+
+
+class TimedOut(_Failure):
+    type: Literal["timed_out"] = "timed_out"
+
+
+Terminal = Succeeded | Paused | Failed | Cancelled | TimedOut
+Event = Annotated[
+    Accepted | StageEvent | TextDelta | ToolCall | ToolResult | Retrying | Terminal,
+    Field(discriminator="type"),
+]
+EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def encode(event: _Event, *, numbered_by_store: bool = False) -> str:
+    """The event's JSON as the store appends it: without `seq` (and `attempt`, see the module doc)."""
+    return event.model_dump_json(exclude={"seq", "attempt"} if numbered_by_store else {"seq"})
+
+
+def decode(data: str | bytes) -> Event:
+    return EVENTS.validate_json(data)
+
+
+def is_terminal(event: _Event) -> bool:
+    return isinstance(event, Terminal)
 
 
 def terminal(
@@ -84,18 +139,17 @@ def terminal(
     pending_tool_calls: list[dict[str, Any]] | None = None,
     conversation_id: str | None = None,
     message_id: str | None = None,
-) -> Event:
-    event: Event = {"type": status, "turn_id": turn_id, "attempt": attempt, "answer": answer}
-    if conversation_id is not None:
-        event["conversation_id"] = conversation_id
-        event["message_id"] = message_id
-    if status in ("succeeded", "paused"):
-        event["usage"] = (usage or Usage()).model_dump()
-    else:
-        event["code"] = code or "internal_error"
-        event["message"] = message or ""
-        if usage is not None:
-            event["usage"] = usage.model_dump()
+) -> Terminal:
+    """The one terminal event of a turn, for any of the five endings."""
+    common: dict[str, Any] = {"turn_id": turn_id, "attempt": attempt, "answer": answer,
+                              "conversation_id": conversation_id, "message_id": message_id}
+    if status == "succeeded":
+        return Succeeded(**common, usage=usage or Usage())
     if status == "paused":
-        event["pending_tool_calls"] = pending_tool_calls or []
-    return event
+        return Paused(**common, usage=usage or Usage(), pending_tool_calls=pending_tool_calls or [])
+    failure = {**common, "usage": usage, "code": code or "internal_error", "message": message or ""}
+    if status == "failed":
+        return Failed(**failure)
+    if status == "cancelled":
+        return Cancelled(**failure)
+    return TimedOut(**failure)

@@ -1,18 +1,17 @@
-"""Stage 4, invoke: one pydantic-ai run of the turn, streamed to an event sink, ending in an outcome.
+"""The model stage: one pydantic-ai run of the turn, ending in an outcome whatever happens.
 
-The shell passes in the agent, the cancellation token, a clock and a sink for events; this module
-never touches Redis. Whatever happens to the run (success, model error, cancel, deadline, pause),
-it returns an `InvokeOutcome` holding the run's new messages for `persist`.
+The shell passes in the agent, the cancellation token, a clock and the run's stream handler (which
+turns what the model says into events, `pipeline.streaming`); this module never touches Redis.
+Whatever happens to the run (success, model error, cancel, deadline, pause), it returns an
+`InvokeOutcome` holding the run's new messages, ready for the finish stage.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_ai import (
@@ -40,29 +39,22 @@ from pydantic_ai.exceptions import (
 )
 from pydantic_ai.messages import (
     AgentStreamEvent,
-    FunctionToolCallEvent,
-    FunctionToolResultEvent,
     ImageUrl,
     ModelMessage,
-    PartDeltaEvent,
-    PartStartEvent,
-    TextPart,
-    TextPartDelta,
     ToolCallPart,
     UserContent,
 )
 from pydantic_ai.models import Model
 from pydantic_ai.settings import ModelSettings
 
-from . import events
-from .contracts import TerminalType, Usage
-from .errors import ErrorCode, InvalidRequest, ThreadlineError
+from .contracts import Usage
+from .errors import ErrorCode, ThreadlineError
+from .events import TerminalType
 from .history import encode_messages
-from .models import import_object
+from .limits import limit_messages, truncate_text
 from .persist import prepare_snapshot, run_answer, run_usage
 from .records import ResolvedTurn, ToolActivity
-
-Sink = Callable[[events.Event], Awaitable[None]]
+from .redact import redact
 
 
 class InvokeOutcome(BaseModel):
@@ -80,155 +72,17 @@ class InvokeOutcome(BaseModel):
     pending_tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     tools: list[ToolActivity] = Field(default_factory=list)
     snapshot: str | None = None
+    #: Text parts stored truncated (answers, tool results over the size limit).
+    truncated_parts: int = 0
 
 
-# --- streaming ------------------------------------------------------------------------------------
+class RunStream(Protocol):
+    """The shell's handler of the run's stream events, and the tool activity it saw."""
 
+    @property
+    def tools(self) -> Mapping[str, ToolActivity]: ...
 
-@dataclass
-class TextDebouncer:
-    """Buffers text deltas: a flush is due once the oldest buffered text is `window_s` old or the
-    buffer holds `max_chars`; any non-text event, the end of the run and a cancel flush it too.
-    The run's first text goes out at once: the user waits for the first token, not for the window."""
-
-    window_s: float = 0.075
-    max_chars: int = 512
-    _buffer: list[str] = field(default_factory=list)
-    _size: int = 0
-    _since: float | None = None
-    _started: bool = False
-
-    def add(self, text: str, now: float) -> str | None:
-        """Buffer `text`; return the text to send now (the first text, or when the size cap says so)."""
-        if not text:
-            return None
-        if not self._started:
-            self._started = True
-            return text
-        if self._since is None:
-            self._since = now
-        self._buffer.append(text)
-        self._size += len(text)
-        return self.flush() if self._size >= self.max_chars else None
-
-    def due(self, now: float) -> bool:
-        return self._since is not None and now - self._since >= self.window_s
-
-    def wait_s(self, now: float) -> float | None:
-        """Seconds until the buffered text is due, or None when nothing is buffered."""
-        if self._since is None:
-            return None
-        return max(0.0, self.window_s - (now - self._since))
-
-    def flush(self) -> str | None:
-        if not self._buffer:
-            return None
-        text = "".join(self._buffer)
-        self._buffer.clear()
-        self._size = 0
-        self._since = None
-        return text
-
-
-class TurnStream:
-    """Turns pydantic-ai run events into turn events. Writing happens in a task of its own, so that
-    cancelling the run can never cut an event in half: what was streamed is what was stored."""
-
-    def __init__(
-        self, turn_id: str, attempt: int, sink: Sink, clock: Callable[[], float], debouncer: TextDebouncer
-    ) -> None:
-        self.turn_id = turn_id
-        self.attempt = attempt
-        self.streamed_text: list[str] = []
-        self.tools: dict[str, ToolActivity] = {}
-        self._sink = sink
-        self._clock = clock
-        self._debouncer = debouncer
-        self._queue: asyncio.Queue[events.Event | None] = asyncio.Queue()
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
-        self._ticker: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> TurnStream:
-        self._writer = asyncio.create_task(self._write())
-        self._ticker = asyncio.create_task(self._tick())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._writer is not None and self._ticker is not None
-        self._ticker.cancel()
-        self.flush_text()
-        self._queue.put_nowait(None)
-        await asyncio.shield(self._writer)
-
-    async def handle(self, ctx: RunContext[TurnDeps], stream: AsyncIterable[AgentStreamEvent]) -> None:
-        async for event in stream:
-            self.observe(event)
-
-    def observe(self, event: AgentStreamEvent) -> None:
-        if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
-            self._text(event.part.content)
-        elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
-            self._text(event.delta.content_delta)
-        elif isinstance(event, FunctionToolCallEvent):
-            self.flush_text()
-            part = event.part
-            self.tools[part.tool_call_id] = ToolActivity(
-                tool_call_id=part.tool_call_id, name=part.tool_name, args=part.args_as_dict()
-            )
-            self._put(events.tool_call(self.turn_id, self.attempt, tool_call_id=part.tool_call_id,
-                                       name=part.tool_name, args=part.args_as_dict()))
-        elif isinstance(event, FunctionToolResultEvent):
-            self.flush_text()
-            result = event.part
-            content = _jsonable(result.content)
-            call = self.tools.get(result.tool_call_id)
-            self.tools[result.tool_call_id] = ToolActivity(
-                tool_call_id=result.tool_call_id, name=result.tool_name,
-                args=call.args if call else None, content=content, outcome=result.outcome,
-            )
-            self._put(events.tool_result(self.turn_id, self.attempt, tool_call_id=result.tool_call_id,
-                                         name=result.tool_name, content=content, outcome=result.outcome))
-
-    def flush_text(self) -> None:
-        text = self._debouncer.flush()
-        if text:
-            self._put(events.text_delta(self.turn_id, self.attempt, text))
-
-    def _text(self, text: str) -> None:
-        if not text:
-            return
-        self.streamed_text.append(text)
-        ready = self._debouncer.add(text, self._clock())
-        if ready:
-            self._put(events.text_delta(self.turn_id, self.attempt, ready))
-        self._wake.set()
-
-    def _put(self, event: events.Event) -> None:
-        self._queue.put_nowait(event)
-
-    async def _tick(self) -> None:
-        while True:
-            wait = self._debouncer.wait_s(self._clock())
-            if wait is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await asyncio.sleep(wait)
-            if self._debouncer.due(self._clock()):
-                self.flush_text()
-
-    async def _write(self) -> None:
-        while (event := await self._queue.get()) is not None:
-            await self._sink(event)
-
-
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return str(value)
+    async def handle(self, ctx: RunContext[TurnDeps], stream: AsyncIterable[AgentStreamEvent]) -> None: ...
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -249,23 +103,10 @@ def ask_human(question: str) -> str:
     raise CallDeferred(kind="question")
 
 
-_BUILTIN_TOOLS: dict[str, Tool[TurnDeps]] = {
+BUILTIN_TOOLS: dict[str, Tool[TurnDeps]] = {
     "clock": Tool(clock, takes_ctx=True),
     "ask_human": Tool(ask_human, takes_ctx=False),
 }
-
-
-def build_tools(names: Sequence[str], *, allow_python: bool) -> list[Tool[TurnDeps]]:
-    """The tools a config names: built-ins, or `python:module:function` where workers allow plugins."""
-    tools: list[Tool[TurnDeps]] = []
-    for name in names:
-        if name in _BUILTIN_TOOLS:
-            tools.append(_BUILTIN_TOOLS[name])
-        elif allow_python:
-            tools.append(Tool(import_object(name.removeprefix("python:"))))
-        else:
-            raise InvalidRequest(f"tool {name!r}: python plugins are disabled on these workers")
-    return tools
 
 
 def user_prompt(turn: ResolvedTurn, *, vision: bool) -> str | list[UserContent] | None:
@@ -305,48 +146,54 @@ async def run_turn(
     *,
     agent: TurnAgent,
     attempt: int,
-    sink: Sink,
+    stream: RunStream,
     token: CancellationToken,
     clock: Callable[[], float],
     timeout_s: float,
-    debounce_s: float = 0.075,
+    max_chars: int,
+    secrets: Sequence[str] = (),
 ) -> InvokeOutcome:
-    """Run the agent once; every way it can end becomes an `InvokeOutcome`."""
+    """Run the agent once; every way it can end becomes an `InvokeOutcome`. Texts longer than
+    `max_chars` are stored truncated; `secrets` (the model's key) never reach an error message."""
     run_id = f"{turn.turn_id}/{attempt}"
     deferred = DeferredToolResults(calls=dict(turn.deferred_answers)) if turn.deferred_answers else None
-    stream = TurnStream(turn.turn_id, attempt, sink, clock, TextDebouncer(window_s=debounce_s))
-    async with stream:
-        with capture_run_messages() as captured:
-            try:
-                result = await agent.run(
-                    user_prompt(turn, vision=turn.config.model.vision),
-                    message_history=list(history) or None,
-                    deferred_tool_results=deferred,
-                    instructions=run_instructions(turn),
-                    model_settings=cast(ModelSettings, turn.config.settings),
-                    deps=TurnDeps(now=clock),
-                    cancellation_token=token,
-                    timeout=max(timeout_s, 0.001),
-                    run_id=run_id,
-                    conversation_id=turn.conversation_id,
-                    event_stream_handler=stream.handle,
-                )
-                output: str | DeferredToolRequests | None = result.output
-                failure: BaseException | None = None
-            except Exception as e:  # a broken tool too: the turn ends `failed`, its history kept
-                output, failure = None, e
-        new = [m for m in captured if m.run_id == run_id]
-    return _outcome(output, failure, new, stream)
+    with capture_run_messages() as captured:
+        try:
+            result = await agent.run(
+                user_prompt(turn, vision=turn.config.model.vision),
+                message_history=list(history) or None,
+                deferred_tool_results=deferred,
+                instructions=run_instructions(turn),
+                model_settings=cast(ModelSettings, turn.config.settings),
+                deps=TurnDeps(now=clock),
+                cancellation_token=token,
+                timeout=max(timeout_s, 0.001),
+                run_id=run_id,
+                conversation_id=turn.conversation_id,
+                event_stream_handler=stream.handle,
+            )
+            output: str | DeferredToolRequests | None = result.output
+            failure: BaseException | None = None
+        except Exception as e:  # a broken tool too: the turn ends `failed`, its history kept
+            output, failure = None, e
+    new = [m for m in captured if m.run_id == run_id]
+    return _outcome(output, failure, new, list(stream.tools.values()), max_chars=max_chars, secrets=secrets)
 
 
 def _outcome(
     output: str | DeferredToolRequests | None,
     failure: BaseException | None,
     new: list[ModelMessage],
-    stream: TurnStream,
+    tools: list[ToolActivity],
+    *,
+    max_chars: int,
+    secrets: Sequence[str],
 ) -> InvokeOutcome:
-    status, code, message, transient, retry_after = _classify(output, failure)
+    status, code, message, transient, retry_after = _classify(output, failure, secrets)
     snapshot = prepare_snapshot(new, paused=status == "paused")
+    truncated = 0
+    if snapshot is not None:
+        snapshot, truncated = limit_messages(snapshot, max_chars)
     pending = _pending_calls(output) if isinstance(output, DeferredToolRequests) else []
     if isinstance(output, str):
         answer = output
@@ -354,6 +201,7 @@ def _outcome(
         answer = "\n".join(str(call["args"].get("question", "")) for call in pending).strip()
     else:
         answer = run_answer(new)
+    answer, cut = truncate_text(answer, max_chars)
     return InvokeOutcome(
         status=status,
         answer=answer,
@@ -363,8 +211,9 @@ def _outcome(
         transient=transient,
         retry_after_s=retry_after,
         pending_tool_calls=pending,
-        tools=list(stream.tools.values()),
+        tools=tools,
         snapshot=encode_messages(snapshot).decode() if snapshot is not None else None,
+        truncated_parts=max(truncated, int(cut)),
     )
 
 
@@ -376,7 +225,7 @@ def _pending_calls(output: DeferredToolRequests) -> list[dict[str, Any]]:
 Classified = tuple[TerminalType, ErrorCode | None, str | None, bool, float | None]
 
 
-def _classify(output: object, failure: BaseException | None) -> Classified:
+def _classify(output: object, failure: BaseException | None, secrets: Sequence[str]) -> Classified:
     if failure is None:
         return ("paused" if isinstance(output, DeferredToolRequests) else "succeeded"), None, None, False, None
     if isinstance(failure, RunTimedOut):
@@ -385,7 +234,7 @@ def _classify(output: object, failure: BaseException | None) -> Classified:
         return "cancelled", "cancelled", "the turn was cancelled", False, None
     code, transient = model_error_code(failure)
     retry_after = failure.retry_after if isinstance(failure, ModelAPIError) else None
-    return "failed", code, _safe_message(failure), transient, retry_after
+    return "failed", code, _safe_message(failure, secrets), transient, retry_after
 
 
 def retry_delay_s(outcome: InvokeOutcome, *, attempt: int, max_attempts: int) -> float | None:
@@ -421,8 +270,9 @@ def model_error_code(error: BaseException) -> tuple[ErrorCode, bool]:
     return ("model_error" if isinstance(error, AgentRunError | UserError) else "internal_error"), False
 
 
-def _safe_message(error: BaseException) -> str:
-    """A short description that never carries request headers or keys."""
+def _safe_message(error: BaseException, secrets: Sequence[str]) -> str:
+    """A short description that never carries request headers or keys: provider error bodies may
+    echo the request's `Authorization` header."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return text[:300]
+    return redact(text, secrets)[:300]
 

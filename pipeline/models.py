@@ -1,12 +1,11 @@
-"""Models by config: provider profiles (the strict single-system-message guard), real providers,
-and Threadline's offline models, which need no key and answer deterministically."""
+"""Model profiles (the strict single-system-message guard) and what Threadline's offline models
+answer. Building a model from a config (keys from the environment, providers, plugins) is the
+shell's job: `workers/models.py`."""
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,14 +21,13 @@ from pydantic_ai.messages import (
     UserPromptPart,
 )
 from pydantic_ai.models import Model, ModelRequestParameters, StreamedResponse
-from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.models.function import AgentInfo
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.profiles import ModelProfile
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import RunContext
 
 from .config import ModelSpec
-from .errors import InvalidRequest, ThreadlineError
 from .mapping import normalise_messages, normalise_tool_definitions, system_text
 
 
@@ -116,78 +114,6 @@ def _instruction_texts(messages: Sequence[ModelMessage], params: ModelRequestPar
     return []
 
 
-def build_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool = False) -> Model:
-    """The pydantic-ai model a config names, wrapped in its provider profile. Keys come from `env`
-    (the worker's environment) under the name the config gives, never from the config itself."""
-    base = _base_model(spec, env=env, allow_python=allow_python)
-    return StrictSystemModel(base, profile_for(spec))
-
-
-def _base_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool) -> Model:
-    if spec.provider == "offline":
-        return offline_model(spec.name, spec.options)
-    if spec.provider == "python":
-        if not allow_python:
-            raise InvalidRequest("python model factories are disabled on these workers (TL_ALLOW_PYTHON_PLUGINS)")
-        factory: Callable[[dict[str, Any]], Model] = import_object(spec.name)
-        return factory(dict(spec.options))
-    if spec.provider == "anthropic":
-        raise ThreadlineError("the anthropic provider is not installed on these workers", code="model_unavailable")
-    return _openai_chat(spec, env)
-
-
-def _openai_chat(spec: ModelSpec, env: Mapping[str, str]) -> Model:
-    from pydantic_ai.models.openai import OpenAIChatModel
-    from pydantic_ai.providers.openai import OpenAIProvider
-
-    api_key = env.get(spec.api_key_env, "") if spec.api_key_env else ""
-    if spec.provider == "openai" and not api_key:
-        raise ThreadlineError(f"no API key in the worker's environment variable {spec.api_key_env!r}",
-                              code="model_unavailable")
-    base_url = spec.base_url
-    if spec.provider == "ollama" and base_url is None:
-        base_url = "http://127.0.0.1:11434/v1"
-    if spec.provider != "openai" and base_url is None:
-        raise InvalidRequest(f"provider {spec.provider!r} needs a base_url")
-    provider = OpenAIProvider(base_url=base_url, api_key=api_key or "not-needed")
-    return OpenAIChatModel(spec.name, provider=provider)
-
-
-def import_object(path: str) -> Any:
-    """`module:attribute` → the attribute (python plugins: test models and tools)."""
-    module_name, _, attr = path.partition(":")
-    try:
-        found = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise InvalidRequest(f"cannot load {path!r}: {e}") from None
-    if not callable(found):
-        raise InvalidRequest(f"{path!r} is not callable")
-    return found
-
-
-# --- offline models -------------------------------------------------------------------------------
-
-
-def offline_model(name: str, options: Mapping[str, Any]) -> Model:
-    if name == "echo":
-        return FunctionModel(_echo, stream_function=_echo_stream, model_name="offline:echo")
-    if name == "chat":
-        delay = float(options.get("delay_ms", 0)) / 1000
-        repeat = int(options.get("repeat", 1))
-
-        async def chat_stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
-            for word in _words(chat_answer(messages, repeat=repeat)):
-                if delay:
-                    await asyncio.sleep(delay)
-                yield word
-
-        def chat(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-            return ModelResponse(parts=[TextPart(chat_answer(messages, repeat=repeat))])
-
-        return FunctionModel(chat, stream_function=chat_stream, model_name="offline:chat")
-    raise InvalidRequest(f"unknown offline model {name!r}; available: echo, chat")
-
-
 def describe_request(messages: Sequence[ModelMessage], info: AgentInfo) -> dict[str, Any]:
     """`offline:echo`'s answer: exactly what the model received."""
     system = system_text(messages)
@@ -216,11 +142,12 @@ def _response_items(message: ModelResponse) -> list[dict[str, str]]:
     return items
 
 
-def _echo(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+def echo(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """`offline:echo`: a JSON description of exactly what the model received."""
     return ModelResponse(parts=[TextPart(json.dumps(describe_request(messages, info)))])
 
 
-async def _echo_stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+async def echo_stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
     yield json.dumps(describe_request(messages, info))
 
 
@@ -251,7 +178,8 @@ def chat_answer(messages: Sequence[ModelMessage], *, repeat: int = 1) -> str:
     return " ".join([answer] * max(1, repeat))
 
 
-def _words(text: str) -> list[str]:
+def words(text: str) -> list[str]:
+    """`text` in streamable pieces: each word with the space after it."""
     words = text.split(" ")
     return [w + " " for w in words[:-1]] + [words[-1]]
 
@@ -262,4 +190,4 @@ def _prompt_text(part: UserPromptPart) -> str:
     return " ".join(item for item in part.content if isinstance(item, str))
 
 
-__all__ = ["ProviderProfile", "StrictSystemModel", "SystemPromptPart", "build_model", "offline_model"]
+__all__ = ["ProviderProfile", "StrictSystemModel", "SystemPromptPart", "chat_answer", "describe_request"]

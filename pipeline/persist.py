@@ -1,8 +1,7 @@
-"""Stage 5, persist: what a run leaves behind, prepared for storage whatever its outcome."""
+"""The finish stage: what a run leaves behind, prepared for storage whatever its outcome."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -15,7 +14,7 @@ from pydantic_ai.messages import (
 )
 
 from .contracts import Usage
-from .records import MessageRecord, MessageStatus, ResolvedTurn, ToolActivity
+from .records import ConversationRecord, MessageRecord, MessageStatus, ResolvedTurn, ToolActivity
 
 
 def prepare_snapshot(new_messages: Sequence[ModelMessage], *, paused: bool) -> list[ModelMessage] | None:
@@ -57,7 +56,6 @@ def run_usage(new_messages: Sequence[ModelMessage]) -> Usage:
     )
 
 
-
 def pending_row(turn: ResolvedTurn) -> MessageRecord:
     """The message row a turn writes when it is accepted."""
     return MessageRecord(
@@ -95,16 +93,15 @@ def final_row(
     )
 
 
-def conversation_fields(turn: ResolvedTurn) -> dict[str, str]:
-    """The conversation hash a new conversation starts with (scope, pinned config, layers)."""
-    return {
-        "tenant_id": turn.tenant_id,
-        "app_id": turn.app_id,
-        "user_id": turn.user_id,
-        "agent_id": turn.config.id,
-        "config_ref": turn.config_ref,
-        "layers": json.dumps(turn.config.layers),
-        "revision": "0",
-        "pending": "[]",
-        "created_at": repr(turn.accepted_at),
-    }
+def new_conversation(turn: ResolvedTurn) -> ConversationRecord:
+    """The conversation a turn starts: its scope, the config it is pinned to, its layers."""
+    return ConversationRecord(
+        id=turn.conversation_id,
+        tenant_id=turn.tenant_id,
+        app_id=turn.app_id,
+        user_id=turn.user_id,
+        agent_id=turn.config.id,
+        config_ref=turn.config_ref,
+        layers=list(turn.config.layers),
+        created_at=turn.accepted_at,
+    )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -80,22 +78,3 @@ class ResolvedTurn(_Record):
     tenant_id: str
     app_id: str
     user_id: str
-
-
-def conversation_from_hash(conversation_id: str, data: Mapping[str, str]) -> ConversationRecord | None:
-    """A conversation record from its stored hash fields; None when it does not exist."""
-    if "config_ref" not in data:
-        return None
-    return ConversationRecord(
-        id=conversation_id,
-        tenant_id=data["tenant_id"],
-        app_id=data["app_id"],
-        user_id=data["user_id"],
-        agent_id=data["agent_id"],
-        config_ref=data["config_ref"],
-        layers=json.loads(data["layers"]),
-        revision=int(data.get("revision", 0)),
-        tip=data.get("tip") or None,
-        pending_tool_calls=json.loads(data.get("pending") or "[]"),
-        created_at=float(data.get("created_at", 0)),
-    )

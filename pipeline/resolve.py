@@ -1,4 +1,4 @@
-"""Stage 1, resolve: check scope, pin the agent config version, validate the session, expand variables."""
+"""The admit stage's logic: check scope, pin the agent config version, validate the session, expand variables."""
 
 from __future__ import annotations
 
@@ -61,8 +61,13 @@ def resolve_turn(
     config_ref: str,
     new_conversation_id: str,
     now: float,
+    parent_known: bool = True,
 ) -> tuple[ResolvedTurn, ResolveDecision]:
-    """Pin everything the turn needs; raise a `ThreadlineError` with a stable code when it can't run."""
+    """Pin everything the turn needs; raise a `ThreadlineError` with a stable code when it can't run.
+    `parent_known`: the request's `parent_message_id` is a message of this conversation (the shell
+    looked it up), so a turn can never branch from another conversation's message."""
+    if not parent_known:
+        raise InvalidRequest(f"parent message {request.parent_message_id!r} is not in this conversation")
     if conversation is not None:
         check_scope(request, conversation)
         if list(conversation.layers) != list(config.layers):

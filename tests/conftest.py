@@ -1,8 +1,9 @@
 """Fixtures: a real Redis-protocol server (embedded Valkey, or REDIS_URL), a unique key prefix per
-session (cleaned up afterwards), real worker processes, and a client."""
+session (cleaned up afterwards), real worker processes, an in-process worker, and a client."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,8 +16,11 @@ from typing import Any
 import pytest
 import redis
 from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.client import Client
 from threadline.workers.embedded import ensure_embedded
+from threadline.workers.settings import Settings
+from threadline.workers.worker import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,6 +139,42 @@ def isolated(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     r = redis.Redis.from_url(redis_url)
     for key in r.scan_iter(f"{name}:*", count=1000):
         r.delete(key)
+
+
+class InProcessWorker:
+    """A real dramatiq worker whose threads run in the test process, on a prefix of its own: for
+    tests that hand it something a subprocess cannot get (a stage graph of their own). dramatiq's
+    event loop thread is process-global, so at most one runs at a time."""
+
+    def __init__(self, url: str, graph: StageGraph, env: dict[str, str] | None = None, threads: int = 4) -> None:
+        self.url = url
+        self.prefix = f"tlp{uuid.uuid4().hex[:8]}"
+        base = Settings.from_env({"TL_ALLOW_PYTHON_PLUGINS": "1", "TL_LOG_FORMAT": "json", **(env or {})})
+        self.settings = dataclasses.replace(base, redis_url=url, prefix=self.prefix)
+        self.broker, self.worker = start_worker(self.settings, url, graph=graph, threads=threads)
+        self.client = Client(url, prefix=self.prefix)
+
+    def stop(self) -> None:
+        self.worker.stop(timeout=5_000)
+        self.broker.close()
+        for key in self.client.redis.scan_iter(f"{self.prefix}:*", count=1000):
+            self.client.redis.delete(key)
+        self.client.close()
+
+
+@pytest.fixture
+def inprocess(redis_url: str) -> Iterator[Callable[..., InProcessWorker]]:
+    """`inprocess(graph=..., env=...)`: start an in-process worker, stopped after the test."""
+    started: list[InProcessWorker] = []
+
+    def start(graph: StageGraph = DEFAULT_GRAPH, env: dict[str, str] | None = None) -> InProcessWorker:
+        assert not started, "one in-process worker at a time"
+        started.append(InProcessWorker(redis_url, graph, env))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.stop()
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from threadline.pipeline.contracts import TERMINAL_TYPES
+from threadline.pipeline import events
 from threadline.pipeline.errors import ThreadlineError
+from threadline.pipeline.events import TERMINAL_TYPES, Event
 
 from .client import Client
 from .embedded import EmbeddedServer, ensure_embedded
@@ -29,19 +30,20 @@ def connect(settings: Settings) -> tuple[str, EmbeddedServer | None]:
     return server.url, server
 
 
-def render_event(event: dict[str, Any], *, as_json: bool) -> str | None:
+def render_event(event: Event, *, as_json: bool) -> str | None:
     """One event for the terminal: JSON lines, or text deltas inline and the rest as notes."""
     if as_json:
-        return json.dumps(event)
-    kind = event["type"]
-    if kind == "text_delta":
-        return str(event["text"])
-    if kind == "stage":
+        return event.model_dump_json()
+    if isinstance(event, events.TextDelta):
+        return event.text
+    if isinstance(event, events.StageEvent):
         return None
-    if kind in TERMINAL_TYPES:
-        detail = event.get("code") or json.dumps(event.get("usage", {}))
-        return f"\n[{kind}] {detail}" + (f": {event['message']}" if event.get("message") else "") + "\n"
-    return f"\n[{kind}] " + json.dumps({k: v for k, v in event.items() if k not in ("type", "turn_id", "seq")}) + "\n"
+    if isinstance(event, events.Failed | events.Cancelled | events.TimedOut):
+        return f"\n[{event.type}] {event.code}" + (f": {event.message}" if event.message else "") + "\n"
+    if isinstance(event, events.Succeeded | events.Paused):
+        return f"\n[{event.type}] {event.usage.model_dump_json()}\n"
+    fields = event.model_dump(mode="json", exclude={"type", "turn_id", "seq"})
+    return f"\n[{event.type}] " + json.dumps(fields) + "\n"
 
 
 def follow(client: Client, turn_id: str, *, as_json: bool, live: bool, timeout_s: float | None = None) -> int:
@@ -51,8 +53,8 @@ def follow(client: Client, turn_id: str, *, as_json: bool, live: bool, timeout_s
         if line is not None:
             sys.stdout.write(line + ("\n" if as_json else ""))
             sys.stdout.flush()
-        if event["type"] in TERMINAL_TYPES:
-            status = event["type"]
+        if event.type in TERMINAL_TYPES:
+            status = event.type
     return 0 if status in ("succeeded", "paused", "unknown") else 1
 
 

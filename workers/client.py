@@ -6,24 +6,25 @@ It enqueues exactly what the README tells any other producer to write with raw R
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis
 from pydantic_ai.messages import ModelMessage
+from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig, config_to_json, parse_agent_config
-from threadline.pipeline.contracts import TERMINAL_TYPES, TURN_SCHEMA
+from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id
+from threadline.pipeline.events import TERMINAL_TYPES, Event, Terminal
 from threadline.pipeline.history import encode_messages, extract_thread
-from threadline.pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
+from threadline.pipeline.records import ConversationRecord, MessageRecord
 
 from . import lua
 from .broker import build_message
 from .keys import Keys
+from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
 from .settings import Settings
-from .store import as_bytes, text, text_map
 
 
 class Client:
@@ -32,7 +33,7 @@ class Client:
         self.redis = redis.Redis.from_url(url)
         self.keys = Keys(prefix)
         self.namespace = f"{prefix}:q"
-        self._submit = self.redis.register_script(lua.SUBMIT)
+        self._submit = self.redis.register_script(lua.source("submit"))
 
     @classmethod
     def from_settings(cls, settings: Settings, url: str | None = None) -> Client:
@@ -70,9 +71,12 @@ class Client:
         """Enqueue a turn request; returns its turn id (generated when the request has none)."""
         body = {"schema": TURN_SCHEMA, **request}
         body.setdefault("turn_id", uuid.uuid4().hex)
-        self.enqueue("resolve", "resolve", (body,), conversation_id=body.get("conversation_id"),
-                     turn_id=str(body["turn_id"]))
-        return str(body["turn_id"])
+        turn_id = str(body["turn_id"])
+        # a first turn takes its place in the line of the conversation it will start, so follow-ups
+        # that name that conversation before it exists wait behind it
+        conversation_id = body.get("conversation_id") or new_conversation_id(turn_id)
+        self.enqueue("resolve", "resolve", (body,), conversation_id=str(conversation_id), turn_id=turn_id)
+        return turn_id
 
     def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
         """Enqueue anything as the `resolve` argument (tests use it for malformed input). Returns the
@@ -86,23 +90,24 @@ class Client:
         line now, so that turns run in the order they were submitted. Returns the message id."""
         target, mid, data = build_message(queue, actor, args, message_id=message_id or uuid.uuid4().hex,
                                           now_ms=int(time.time() * 1000))
-        line = self.keys.turn_queue(conversation_id) if conversation_id else "-"
-        self._submit(keys=[f"{self.namespace}:{target}.msgs", f"{self.namespace}:{target}", line],
-                     args=[mid, data, self.keys.doorbell_channel(), target, turn_id or "",
-                           "1" if conversation_id and turn_id else "0"])
+        register = bool(conversation_id and turn_id)
+        line = self.keys.turn_queue(conversation_id if register and conversation_id else "-")
+        self._submit(keys=[self.keys.queue_messages(target), self.keys.queue(target), line],
+                     args=[lua.payload(message_id=mid, turn_id=turn_id if register else "",
+                                           channel=self.keys.doorbell_channel(), queue=target), data])
         return mid
 
     def cancel(self, turn_id: str, reason: str = "") -> str:
         """Ask the control queue to cancel a turn. Returns "enqueued", or "noop: <status>" when the
         turn has already finished (cancelling a finished turn changes nothing)."""
-        status = self.redis.hget(self.keys.turn(turn_id), "status")
-        if status is not None and text(status) in TERMINAL_TYPES:
-            return f"noop: {text(status)}"
+        status = self.turn_state(turn_id).status
+        if status in TERMINAL_TYPES:
+            return f"noop: {status}"
         self.enqueue("control", "cancel", (turn_id, reason))
         return "enqueued"
 
     def events(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,
-               after: str = "0") -> Iterator[dict[str, Any]]:
+               after: str = "0") -> Iterator[Event]:
         """The turn's events in order; with `follow`, wait for new ones until the terminal event."""
         key = self.keys.events(turn_id)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -117,22 +122,22 @@ class Client:
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
                 after = text(entry_id)
-                event = json.loads(fields[b"json"])
+                event = ev.decode(fields[b"json"])
                 yield event
-                if event["type"] in TERMINAL_TYPES:
+                if event.type in TERMINAL_TYPES:
                     return
             if not follow and not entries:
                 return
 
-    def wait(self, turn_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    def wait(self, turn_id: str, timeout_s: float = 60.0) -> Terminal:
         """Block until the turn's terminal event and return it."""
         for event in self.events(turn_id, follow=True, timeout_s=timeout_s):
-            if event["type"] in TERMINAL_TYPES:
+            if isinstance(event, Terminal):
                 return event
         raise TimeoutError(turn_id)
 
-    def turn_state(self, turn_id: str) -> dict[str, str]:
-        return text_map(self.redis.hgetall(self.keys.turn(turn_id)))
+    def turn_state(self, turn_id: str) -> TurnState:
+        return TurnState.from_hash(text_map(self.redis.hgetall(self.keys.turn(turn_id))))
 
     # --- conversations -------------------------------------------------------------------------
 
@@ -187,12 +192,11 @@ class Client:
             if messages is not None:
                 pipe.hset(self.keys.snapshots(conversation_id), message_id, encode_messages(messages))
             parent = message_id
-        pipe.hset(self.keys.conversation(conversation_id), mapping={
-            "tenant_id": tenant_id, "app_id": app_id, "user_id": user_id, "agent_id": agent_id,
-            "config_ref": f"v{version}", "layers": json.dumps(layers or config.layers),
-            "revision": len(turns), "tip": parent or "", "pending": "[]", "created_at": repr(now),
-            "message_seq": len(turns),
-        })
+        record = ConversationRecord(id=conversation_id, tenant_id=tenant_id, app_id=app_id, user_id=user_id,
+                                    agent_id=agent_id, config_ref=f"v{version}", layers=layers or config.layers,
+                                    revision=len(turns), tip=parent, created_at=now)
+        fields = {**conversation_to_hash(record), "message_seq": str(len(turns))}
+        pipe.hset(self.keys.conversation(conversation_id), mapping=cast(Any, fields))
         pipe.execute()
         return parent or ""
 

@@ -8,6 +8,7 @@ import time
 import uuid
 from importlib import resources
 
+from threadline.pipeline import events
 from threadline.pipeline.config import parse_agent_config
 
 from .cli import connect, render_event
@@ -58,20 +59,21 @@ def _conversation(client: Client, agent_id: str) -> int:
             "agent_id": agent_id, "conversation_id": conversation_id, "query": question,
             "inputs": {"customer_name": "Ada"},
         })
-        terminal: dict[str, object] = {}
+        terminal: events.Terminal | None = None
         for event in client.events(turn_id, follow=True, timeout_s=120):
-            if event["type"] == "accepted":
-                conversation_id = str(event["conversation_id"])
-            elif event["type"] == "text_delta":
-                sys.stdout.write(str(event["text"]))
+            if isinstance(event, events.Accepted):
+                conversation_id = event.conversation_id
+            elif isinstance(event, events.TextDelta):
+                sys.stdout.write(event.text)
                 sys.stdout.flush()
-            elif event["type"] in ("succeeded", "failed", "cancelled", "timed_out", "paused"):
+            elif isinstance(event, events.Terminal):
                 terminal = event
         took = time.perf_counter() - started
-        if terminal.get("type") != "succeeded":
-            print(render_event(terminal, as_json=False))
+        if not isinstance(terminal, events.Succeeded):
+            print(render_event(terminal, as_json=False) if terminal else "\n[no terminal event]")
             return 1
-        print(f"\n    ({took:.2f} s, {terminal['usage']})\n")
+        usage = terminal.usage
+        print(f"\n    ({took:.2f} s, {usage.input_tokens} tokens in, {usage.output_tokens} out)\n")
     assert conversation_id is not None
     print(f"The conversation thread ({conversation_id}), as stored:")
     for message in client.thread(conversation_id):

@@ -1,7 +1,8 @@
 """Every Redis key and channel Threadline uses, built here and nowhere else.
 
 Keys of one conversation share the Redis Cluster hash tag `{<conversation_id>}` so that
-conversation state can move to a cluster; turn-scoped keys are addressed by turn id.
+conversation state can move to a cluster; turn-scoped keys are addressed by turn id. Ids never
+contain `:` or braces (`pipeline.contracts.ID_PATTERN`), so no id can name another one's key.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Keys:
         """Hash: `turn` (who runs now), `fence` (grows with every new holder)."""
         return f"{self.prefix}:conv:{{{conversation_id}}}:lease"
 
+    def waiting(self, conversation_id: str) -> str:
+        """Hash: turn id -> its request as a dramatiq message, kept from admission to its end, so the
+        turn before it can wake it and the watchdog can run it again."""
+        return f"{self.prefix}:conv:{{{conversation_id}}}:waiting"
+
     # --- turns --------------------------------------------------------------------------------
     def turn(self, turn_id: str) -> str:
         """Hash: status, stage markers, attempt, conversation, fence, deadline."""
@@ -64,13 +70,15 @@ class Keys:
         """Stream: the turn's events, one field `json` per entry."""
         return f"{self.prefix}:turn:{turn_id}:events"
 
-    def artifact(self, turn_id: str, name: str) -> str:
-        return f"{self.prefix}:turn:{turn_id}:art:{name}"
+    def artifact(self, turn_id: str, stage: str) -> str:
+        """String: the output of one stage of the turn (JSON), deleted when the turn ends."""
+        return f"{self.prefix}:turn:{turn_id}:art:{stage}"
 
     def cancel_flag(self, turn_id: str) -> str:
         return f"{self.prefix}:turn:{turn_id}:cancel"
 
-    def invoke_claim(self, turn_id: str) -> str:
+    def model_claim(self, turn_id: str) -> str:
+        """String: the worker running the turn's model call; expires unless renewed."""
         return f"{self.prefix}:turn:{turn_id}:claim"
 
     def running(self) -> str:
@@ -80,6 +88,20 @@ class Keys:
     def usage(self, tenant_id: str) -> str:
         """Hash: token and request counters per tenant, each turn counted once."""
         return f"{self.prefix}:usage:{tenant_id}"
+
+    def dead_letters(self) -> str:
+        """Stream: one entry per dead-lettered message (`queue`, `message_id`, `actor`, `reason`),
+        capped; dramatiq's own dead-letter sets (`<queue>.XQ`) keep the message bodies."""
+        return f"{self.prefix}:deadletters"
+
+    # --- the broker's queues (dramatiq's RedisBroker layout) -----------------------------------
+    def queue(self, name: str) -> str:
+        """List: ids of the messages waiting on a queue (`<name>.DQ`: its delay queue)."""
+        return f"{self.prefix}:q:{name}"
+
+    def queue_messages(self, name: str) -> str:
+        """Hash: message id -> message body, for a queue."""
+        return f"{self.prefix}:q:{name}.msgs"
 
     # --- channels -----------------------------------------------------------------------------
     def cancel_channel(self) -> str:

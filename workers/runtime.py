@@ -1,5 +1,10 @@
-"""What a worker process holds while it runs: settings, the store, the cancel registry, a model
-cache, and the one helper that ends a turn early (bad input, cancel, deadline, give-up)."""
+"""What a worker process holds while it runs — settings, the stage graph, the store, the cancel
+registry, a cache of agents — and the one function that ends a turn before its finish stage
+(bad input, cancel, deadline, a message that exhausted its retries, a turn recovered too often).
+
+Actors reach their runtime through the `RuntimeRef` they were declared with (set when the worker
+boots), never through a process global: two workers can live in one process, as in tests.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,16 @@ import uuid
 import structlog
 from threadline.pipeline import events
 from threadline.pipeline.config import ModelSpec
-from threadline.pipeline.contracts import TerminalType
 from threadline.pipeline.errors import ErrorCode
-from threadline.pipeline.invoke import TurnAgent, build_agent, build_tools
-from threadline.pipeline.models import build_model
+from threadline.pipeline.events import TerminalType
+from threadline.pipeline.invoke import TurnAgent, build_agent
 from threadline.pipeline.persist import final_row
 from threadline.pipeline.records import ResolvedTurn
+from threadline.pipeline.stages import StageGraph
 
 from .control import CancelRegistry
+from .models import build_model, build_tools, model_secrets
+from .settings import Settings
 from .store import Finish, Store
 
 log = structlog.get_logger(__name__)
@@ -29,7 +36,8 @@ log = structlog.get_logger(__name__)
 class Runtime:
     def __init__(self, store: Store, registry: CancelRegistry) -> None:
         self.store = store
-        self.settings = store.settings
+        self.settings: Settings = store.settings
+        self.graph: StageGraph = store.graph
         self.registry = registry
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._agents: dict[str, TurnAgent] = {}
@@ -47,9 +55,16 @@ class Runtime:
                 self._agents[key] = agent
             return agent
 
+    def secrets(self, spec: ModelSpec) -> list[str]:
+        return model_secrets(spec, self.settings.secrets)
+
     @staticmethod
     def now() -> float:
         return time.time()
+
+    @staticmethod
+    def now_ms() -> int:
+        return int(time.time() * 1000)
 
     @staticmethod
     def new_id() -> str:
@@ -65,29 +80,26 @@ class Runtime:
         resolved: ResolvedTurn | None = None,
         conversation_id: str | None = None,
     ) -> str:
-        """End a turn that will not reach `persist`: its terminal event, its message row if it was
-        accepted, the conversation released. Stored history stays as it was."""
+        """End a turn that will not reach its finish stage: its terminal event, its message row if
+        it was accepted, the conversation released. Stored history stays as it was."""
         state = await self.store.turn_state(turn_id)
-        if resolved is None and state.get("message_id"):
-            raw = await self.store.artifact(turn_id, "resolved")
+        if resolved is None and state.message_id:
+            raw = await self.store.artifact(turn_id, self.graph.first.name)
             resolved = ResolvedTurn.model_validate_json(raw) if raw else None
-        attempt = int(state.get("attempt", "1"))
-        accepted = resolved is not None and bool(state.get("message_id"))
-        row = final_row(resolved, status=status, now=self.now(), code=code) if accepted and resolved else None
+        accepted = resolved if resolved is not None and state.message_id else None
         event = events.terminal(
-            turn_id, attempt, status, code=code, message=message,
-            conversation_id=resolved.conversation_id if accepted and resolved else None,
-            message_id=resolved.message_id if accepted and resolved else None,
+            turn_id, state.attempt, status, code=code, message=message,
+            conversation_id=accepted.conversation_id if accepted else None,
+            message_id=accepted.message_id if accepted else None,
         )
         result = await self.store.finish(
             Finish(
                 turn_id=turn_id,
-                status=status,
                 event=event,
-                conversation_id=state.get("conversation_id") or conversation_id or "",
-                message=row,
-                fence=state.get("fence", ""),
-                tenant_id=resolved.tenant_id if resolved else "",
+                conversation_id=state.conversation_id or conversation_id or "",
+                message=final_row(accepted, status=status, now=self.now(), code=code) if accepted else None,
+                fence=state.fence,
+                tenant_id=accepted.tenant_id if accepted else "",
             ),
             now=self.now(),
         )
@@ -95,16 +107,16 @@ class Runtime:
         return result
 
 
-_runtime: Runtime | None = None
+class RuntimeRef:
+    """The runtime of the worker an actor belongs to, set when that worker boots."""
 
+    def __init__(self) -> None:
+        self._runtime: Runtime | None = None
 
-def set_runtime(runtime: Runtime | None) -> None:
-    global _runtime
-    _runtime = runtime
+    def set(self, runtime: Runtime | None) -> None:
+        self._runtime = runtime
 
-
-def runtime() -> Runtime:
-    if _runtime is None:
-        raise RuntimeError("the worker runtime is not set up (threadline.workers.worker)")
-    return _runtime
-
+    def get(self) -> Runtime:
+        if self._runtime is None:
+            raise RuntimeError("the worker runtime is not set up (the Boot middleware runs at worker start)")
+        return self._runtime

@@ -35,18 +35,26 @@ class Settings:
     #: and for cancels; no invoke waits in a local buffer while a thread could run it. None: threads // 2.
     invoke_prefetch: int | None = None
     max_query_chars: int = 32_000
+    #: Answers, tool arguments and tool results longer than this are stored truncated, with a marker.
+    max_text_chars: int = 100_000
     #: Upper bound for an idle consumer's sleep between polls; a doorbell wakes it sooner.
     idle_poll_ms: int = 2_000
     delay_poll_ms: int = 5_000
+    #: A safety net: a turn's artifacts are deleted when it ends.
     artifact_ttl_s: int = 86_400
-    turn_ttl_s: int = 7 * 86_400
+    #: How long an ended turn's record and events stay readable (and its id stays taken).
+    turn_ttl_s: int = 6 * 3_600
     cancel_ttl_s: int = 86_400
     debounce_ms: int = 75
     invoke_lease_s: float = 30.0
     #: A turn with no progress (and no live invoke claim) for this long is enqueued again.
     stall_s: float = 60.0
     watchdog_s: float = 10.0
+    #: Times the watchdog runs a stalled turn again before it ends the turn `failed`.
+    max_recoveries: int = 3
     max_invoke_attempts: int = 3
+    #: dramatiq's retries of a message whose actor raised; then it is dead-lettered and its turn ends.
+    max_retries: int = 5
     #: Configs may name `python:module:function` models and tools (tests, trusted deployments).
     allow_python_models: bool = False
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
@@ -71,16 +79,19 @@ class Settings:
             threads=_int(env, "TL_THREADS", 8),
             invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 0) or None,
             max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000),
+            max_text_chars=_int(env, "TL_MAX_TEXT_CHARS", 100_000),
             idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000),
             delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000),
             artifact_ttl_s=_int(env, "TL_ARTIFACT_TTL_S", 86_400),
-            turn_ttl_s=_int(env, "TL_TURN_TTL_S", 7 * 86_400),
+            turn_ttl_s=_int(env, "TL_TURN_TTL_S", 6 * 3_600),
             cancel_ttl_s=_int(env, "TL_CANCEL_TTL_S", 86_400),
             debounce_ms=_int(env, "TL_DEBOUNCE_MS", 75),
             invoke_lease_s=_float(env, "TL_INVOKE_LEASE_S", 30.0),
             stall_s=_float(env, "TL_STALL_S", 60.0),
             watchdog_s=_float(env, "TL_WATCHDOG_S", 10.0),
+            max_recoveries=_int(env, "TL_MAX_RECOVERIES", 3),
             max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3),
+            max_retries=_int(env, "TL_MAX_RETRIES", 5),
             allow_python_models=env.get("TL_ALLOW_PYTHON_PLUGINS", "") in ("1", "true", "yes"),
             secrets=dict(env),
         )

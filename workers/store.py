@@ -1,35 +1,41 @@
-"""The Redis store of record, as the stage actors use it (async). Every key comes from `keys.py`;
-every write that must hang together is one of the Lua scripts in `lua.py`."""
+"""The Redis store of record, as the stage runners use it (async). Every key comes from `keys.py`;
+every write that must hang together is one of the scripts in `scripts/`, one typed method each."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from threadline.pipeline import events
 from threadline.pipeline.config import AgentConfig, config_from_json
-from threadline.pipeline.contracts import Stage, TerminalType
 from threadline.pipeline.errors import AgentNotFound, ConversationNotFound
-from threadline.pipeline.events import Event
-from threadline.pipeline.records import ConversationRecord, MessageRecord, conversation_from_hash
+from threadline.pipeline.records import ConversationRecord, MessageRecord
 from threadline.pipeline.resolve import ConfigRef
+from threadline.pipeline.stages import StageGraph
 
 from . import lua
 from .broker import build_message
 from .keys import Keys
+from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
 from .settings import Settings
 
 BeginStatus = Literal["go", "done", "terminal", "cancelled", "timed_out", "duplicate"]
+Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled"]
+#: The placeholder for the id of the message that wakes a waiting turn (finish.lua fills it in).
+WAKE_ID = "@@WAKE_ID@@"
 
 
 @dataclass(frozen=True, slots=True)
 class Begin:
     status: BeginStatus
     attempt: int = 1
-    artifacts: tuple[str, str] = ("", "")
+    #: The admit stage's artifact (the resolved turn) and the previous stage's.
+    admitted: str = ""
+    previous: str = ""
     conversation_id: str = ""
     fence: str = ""
     deadline_at: float | None = None
@@ -38,199 +44,234 @@ class Begin:
 
 @dataclass(frozen=True, slots=True)
 class Next:
-    """The message a stage hands over to: actor (= queue) and its single argument."""
+    """The message a stage hands over to: its stage (actor = queue) and its single argument."""
 
-    queue: str
+    stage: str
     arg: Any
     message_id: str
     delay_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
+class Accept:
+    """What the end of the admit stage makes exist: the conversation (when new) and the row."""
+
+    conversation: ConversationRecord
+    row: MessageRecord
+    deadline_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     turn_id: str
-    status: TerminalType
-    event: Event
+    event: events.Terminal
     conversation_id: str = ""
     message: MessageRecord | None = None
     snapshot: str | None = None
     pending_tool_calls: Sequence[dict[str, Any]] = ()
     fence: str = ""
     tenant_id: str = ""
-    before: Sequence[Event] = ()
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    before: Sequence[events.Event] = ()
 
 
 class Store:
-    def __init__(self, client: aioredis.Redis, settings: Settings) -> None:
+    def __init__(self, client: aioredis.Redis, settings: Settings, graph: StageGraph) -> None:
         self.redis = client
         self.settings = settings
+        self.graph = graph
         self.keys = Keys(settings.prefix)
         self._scripts: dict[str, AsyncScript] = {
-            name: client.register_script(getattr(lua, name))
-            for name in ("BEGIN", "ADMIT", "ADVANCE", "RETRY", "FINISH", "EMIT", "CANCEL")
+            name: client.register_script(lua.source(name)) for name in lua.SCRIPT_NAMES
         }
 
     @classmethod
-    def connect(cls, url: str, settings: Settings) -> Store:
-        return cls(aioredis.Redis.from_url(url, max_connections=64), settings)
+    def connect(cls, url: str, settings: Settings, graph: StageGraph) -> Store:
+        return cls(aioredis.Redis.from_url(url, max_connections=64), settings, graph)
 
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return await self._scripts[name](keys=list(keys), args=list(args))
+    async def _run(self, name: lua.ScriptName, keys: Sequence[str], *argv: str | bytes) -> Any:
+        return await self._scripts[name](keys=list(keys), args=list(argv))
+
+    def _message(self, next_: Next, now_ms: int) -> tuple[str, str, bytes]:
+        queue = self.graph[next_.stage].queue
+        return build_message(queue, next_.stage, (next_.arg,), message_id=next_.message_id, now_ms=now_ms,
+                             delay_ms=next_.delay_ms)
 
     # --- the turn state machine ----------------------------------------------------------------
 
-    async def begin(
-        self,
-        turn_id: str,
-        stage: Stage,
-        *,
-        now: float,
-        inputs: tuple[str, str] = ("-", "-"),
-        check_interrupts: bool = True,
-        claim: str = "",
-        announce: bool = True,
-    ) -> Begin:
+    async def admit(self, turn_id: str, conversation_id: str, *, now: float, request: bytes) -> tuple[Admission, str]:
+        """Join the conversation's line; run now, or wait to be woken (`request` is kept for that)."""
         k = self.keys
         reply = await self._run(
-            "BEGIN",
-            [k.turn(turn_id), k.events(turn_id), k.cancel_flag(turn_id),
-             k.artifact(turn_id, inputs[0]), k.artifact(turn_id, inputs[1]), k.invoke_claim(turn_id), k.running()],
-            [stage, turn_id, now, "1" if check_interrupts else "0", claim, int(self.settings.invoke_lease_s * 1000),
-             "1" if announce else "0"],
+            "admit",
+            [k.turn(turn_id), k.cancel_flag(turn_id), k.running(), k.turn_queue(conversation_id),
+             k.lease(conversation_id), k.waiting(conversation_id)],
+            lua.payload(turn_id=turn_id, conversation_id=conversation_id, now=now, ttl_s=self.settings.turn_ttl_s,
+                            done=f"done:{self.graph.first.name}"),
+            request,
         )
-        status = reply[0].decode()
-        if status != "go":
-            return Begin(status=status, terminal_status=reply[1].decode() if len(reply) > 1 else "")
-        attempt, art_a, art_b, conversation_id, fence, deadline = (r.decode() for r in reply[1:])
-        return Begin(
-            status="go",
-            attempt=int(attempt),
-            artifacts=(art_a, art_b),
-            conversation_id=conversation_id,
-            fence=fence,
-            deadline_at=float(deadline) if deadline else None,
-        )
+        status = cast(Admission, text(reply[0]))
+        return status, (text(reply[1]) if len(reply) > 1 and reply[1] else "")
 
-    async def admit(self, turn_id: str, conversation_id: str, *, now: float, wake: bytes) -> tuple[str, str]:
+    async def begin(
+        self, turn_id: str, stage: str, *, now: float, interrupts: bool = True, claim: str = "",
+        started: events.StageEvent | None = None, attempt_hint: int = 1,
+    ) -> Begin:
+        """Start `stage`: its inputs when it may run, else why not. `claim` takes the model claim."""
         k = self.keys
+        previous = self.graph.previous(stage).name if stage != self.graph.first.name else stage
+        redelivered = events.Retrying(turn_id=turn_id, attempt=attempt_hint,
+                                      reason="redelivered: the worker running the previous attempt was lost")
         reply = await self._run(
-            "ADMIT",
-            [k.turn(turn_id), k.turn_queue(conversation_id), k.lease(conversation_id), k.cancel_flag(turn_id),
-             k.running()],
-            [turn_id, "", now, conversation_id, f"wake.{turn_id}", wake, self.settings.turn_ttl_s],
+            "begin",
+            [k.turn(turn_id), k.events(turn_id), k.cancel_flag(turn_id), k.artifact(turn_id, self.graph.first.name),
+             k.artifact(turn_id, previous), k.model_claim(turn_id), k.running()],
+            lua.payload(stage=stage, turn_id=turn_id, now=now, interrupts=interrupts, claim=claim,
+                            claim_ttl_ms=int(self.settings.invoke_lease_s * 1000),
+                            started=events.encode(started, numbered_by_store=True) if started else "",
+                            redelivered=events.encode(redelivered, numbered_by_store=True)),
         )
-        return reply[0].decode(), (reply[1].decode() if len(reply) > 1 and reply[1] else "")
+        status = cast(BeginStatus, text(reply[0]))
+        if status != "go":
+            return Begin(status=status, terminal_status=text(reply[1]) if len(reply) > 1 else "")
+        attempt, admitted, prev, conversation_id, fence, deadline = (text(r) for r in reply[1:])
+        return Begin(status="go", attempt=int(attempt), admitted=admitted, previous=prev,
+                     conversation_id=conversation_id, fence=fence, deadline_at=float(deadline) if deadline else None)
 
     async def advance(
-        self,
-        turn_id: str,
-        stage: Stage,
-        *,
-        next_: Next,
-        now: float,
-        now_ms: int,
-        artifact: tuple[str, str] | None = None,
-        events: Sequence[Event] = (),
-        fence: str = "",
-        conversation_id: str = "",
-        accept: tuple[dict[str, str], MessageRecord, float] | None = None,
+        self, turn_id: str, stage: str, *, next_: Next, now: float, now_ms: int, artifact: str,
+        events_: Sequence[events.Event] = (), fence: str = "", conversation_id: str = "", accept: Accept | None = None,
     ) -> str:
-        """Finish `stage` and enqueue `next_` in one atomic step. `accept` (conversation fields,
-        pending message row, deadline) makes the turn's conversation and message exist."""
+        """Finish `stage` and enqueue `next_` in one atomic step; see advance.lua."""
         k = self.keys
-        queue, message_id, data = build_message(
-            next_.queue, next_.queue, (next_.arg,), message_id=next_.message_id, now_ms=now_ms,
-            delay_ms=next_.delay_ms,
-        )
-        art_name, art_value = artifact or ("-", "")
-        conv_fields, message_id_arg, row = "", "", ""
-        if accept is not None:
-            fields, pending, deadline_at = accept
-            conv_fields = _dumps({"conversation": fields, "deadline_at": repr(deadline_at)})
-            message_id_arg, row = pending.id, pending.model_dump_json()
+        queue, message_id, data = self._message(next_, now_ms)
         cid = conversation_id or "-"
+        fields: dict[str, Any] = {}
+        row = ""
+        if accept is not None:
+            fields["accept"] = {"conversation": conversation_to_hash(accept.conversation),
+                                "deadline_at": repr(accept.deadline_at), "message_id": accept.row.id}
+            row = accept.row.model_dump_json()
         reply = await self._run(
-            "ADVANCE",
-            [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, art_name), k.conversation(cid),
-             k.messages(cid), k.message_order(cid), k.lease(cid), k.running()],
-            [stage, turn_id, fence, art_value, self.settings.artifact_ttl_s * 1000, self.settings.broker_namespace,
-             queue, message_id, data, k.doorbell_channel(), now, conv_fields, message_id_arg, row,
-             *(_dumps(e) for e in events)],
+            "advance",
+            [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, stage), k.running(), k.lease(cid),
+             k.conversation(cid), k.messages(cid), k.message_order(cid), k.queue_messages(queue), k.queue(queue)],
+            lua.payload(stage=stage, turn_id=turn_id, fence=fence, now=now,
+                            artifact_ttl_ms=self.settings.artifact_ttl_s * 1000, next_id=message_id,
+                            next_queue=queue, channel=k.doorbell_channel(),
+                            events=[events.encode(e) for e in events_], **fields),
+            artifact, data, row,
         )
-        return str(reply.decode() if isinstance(reply, bytes) else reply)
+        return text(reply)
 
-    async def retry_invoke(self, turn_id: str, *, next_: Next, now_ms: int, event: Event) -> str:
-        """Schedule the next attempt (a delayed message), announced by `event`."""
+    async def retry(self, turn_id: str, *, next_: Next, now: float, now_ms: int, event: events.Retrying) -> str:
+        """Schedule the next attempt of a stage (a delayed message), announced by `event`."""
         k = self.keys
-        queue, message_id, data = build_message(
-            "invoke", "invoke", (next_.arg,), message_id=next_.message_id, now_ms=now_ms, delay_ms=next_.delay_ms
-        )
+        queue, message_id, data = self._message(next_, now_ms)
         reply = await self._run(
-            "RETRY",
-            [k.turn(turn_id), k.events(turn_id), k.invoke_claim(turn_id), k.running()],
-            [self.settings.broker_namespace, queue, message_id, data, k.doorbell_channel(), _dumps(event), turn_id,
-             now_ms / 1000],
+            "retry",
+            [k.turn(turn_id), k.events(turn_id), k.model_claim(turn_id), k.running(), k.queue_messages(queue),
+             k.queue(queue)],
+            lua.payload(turn_id=turn_id, now=now, message_id=message_id, queue=queue,
+                            channel=k.doorbell_channel(), event=events.encode(event)),
+            data,
         )
-        return str(reply.decode())
+        return text(reply)
 
     async def finish(self, f: Finish, *, now: float) -> str:
         """The one terminal write of a turn. Returns "ok", "already" (a no-op) or "stale"."""
         k = self.keys
         cid = f.conversation_id or "-"
         usage = f.message.usage if f.message is not None else None
+        admit_queue = self.graph.first.queue
         reply = await self._run(
-            "FINISH",
-            [k.turn(f.turn_id), k.events(f.turn_id), k.conversation(cid), k.messages(cid), k.snapshots(cid),
-             k.lease(cid), k.turn_queue(cid), k.usage(f.tenant_id or "-"), k.invoke_claim(f.turn_id), k.running()],
-            [f.turn_id, f.status, _dumps(f.event), f.message.id if f.message else "",
-             f.message.model_dump_json() if f.message else "", f.snapshot or "", _dumps(list(f.pending_tool_calls)),
-             f.fence, self.settings.broker_namespace, k.doorbell_channel(), now, self.settings.turn_ttl_s,
-             usage.input_tokens if usage else 0, usage.output_tokens if usage else 0, usage.requests if usage else 0,
-             f.conversation_id, self.settings.prefix, *(_dumps(e) for e in f.before)],
+            "finish",
+            [k.turn(f.turn_id), k.events(f.turn_id), k.cancel_flag(f.turn_id), k.model_claim(f.turn_id), k.running(),
+             k.conversation(cid), k.messages(cid), k.snapshots(cid), k.lease(cid), k.turn_queue(cid), k.waiting(cid),
+             k.usage(f.tenant_id or "-"), k.queue_messages(admit_queue), k.queue(admit_queue),
+             *(k.artifact(f.turn_id, s) for s in self.graph.names)],
+            lua.payload(
+                turn_id=f.turn_id, status=f.event.type, conversation_id=f.conversation_id,
+                message_id=f.message.id if f.message else "", fence=f.fence, now=now, ttl_s=self.settings.turn_ttl_s,
+                usage=usage.model_dump() if usage else {}, pending=json.dumps(list(f.pending_tool_calls)),
+                channel=k.doorbell_channel(), admit_queue=admit_queue,
+                events=[*(events.encode(e) for e in f.before), events.encode(f.event)],
+            ),
+            f.message.model_dump_json() if f.message else "", f.snapshot or "",
         )
-        return str(reply[0].decode())
+        return text(reply[0])
 
-    async def emit(self, turn_id: str, event: Event) -> None:
-        await self._run("EMIT", [self.keys.turn(turn_id), self.keys.events(turn_id)], [_dumps(event)])
+    async def stalled(self, turn_id: str, *, now: float, max_recoveries: int) -> tuple[str, str, int, str]:
+        """The watchdog's look at a turn without progress: (verdict, stage, attempt, kept request)."""
+        k = self.keys
+        cid = text(await self.redis.hget(k.turn(turn_id), "conversation_id") or b"-")
+        reply = await self._run(
+            "stalled", [k.turn(turn_id), k.model_claim(turn_id), k.running(), k.waiting(cid)],
+            lua.payload(turn_id=turn_id, now=now, stages=list(self.graph.names), max_recoveries=max_recoveries),
+        )
+        verdict = text(reply[0])
+        stage = text(reply[1]) if len(reply) > 1 else ""
+        attempt = int(text(reply[2])) if len(reply) > 2 else 1
+        request = text(reply[3]) if len(reply) > 3 else ""
+        return verdict, stage, attempt, request
+
+    async def enqueue(self, queue: str, message_id: str, data: bytes) -> None:
+        """Enqueue a ready dramatiq message (as any producer does) and ring the doorbell."""
+        k = self.keys
+        await self._run("submit", [k.queue_messages(queue), k.queue(queue), k.turn_queue("-")],
+                        lua.payload(message_id=message_id, turn_id="", channel=k.doorbell_channel(), queue=queue),
+                        data)
+
+    async def enqueue_stage(self, stage: str, arg: Any, *, message_id: str, now_ms: int) -> None:
+        queue, mid, data = self._message(Next(stage, arg, message_id), now_ms)
+        await self.enqueue(queue, mid, data)
+
+    async def emit(self, turn_id: str, event: events.Event) -> None:
+        await self._run("emit", [self.keys.turn(turn_id), self.keys.events(turn_id)], events.encode(event))
 
     async def cancel(self, turn_id: str, reason: str, *, now: float) -> tuple[str, str]:
         k = self.keys
         reply = await self._run(
-            "CANCEL",
-            [k.cancel_flag(turn_id), k.turn(turn_id)],
-            [reason or "cancelled", self.settings.cancel_ttl_s, k.cancel_channel(), turn_id, now],
+            "cancel", [k.cancel_flag(turn_id), k.turn(turn_id)],
+            lua.payload(turn_id=turn_id, reason=reason or "cancelled", ttl_s=self.settings.cancel_ttl_s,
+                            channel=k.cancel_channel(), now=now),
         )
-        return reply[0].decode(), reply[1].decode()
+        return text(reply[0]), text(reply[1])
+
+    async def dead_letter(self, queue: str, message_id: str, actor: str, reason: str) -> None:
+        """Record a message that names no turn of its own (nothing to report on a turn's stream)."""
+        await self.redis.xadd(self.keys.dead_letters(), {"queue": queue, "message_id": message_id, "actor": actor,
+                                                         "reason": reason}, maxlen=10_000, approximate=True)
 
     async def release_claim(self, turn_id: str) -> None:
-        """Let a retried delivery of this invoke run at once instead of waiting out the claim."""
-        await self.redis.delete(self.keys.invoke_claim(turn_id))
+        """Let a retried delivery of this model call run at once instead of waiting out the claim."""
+        await self.redis.delete(self.keys.model_claim(turn_id))
 
     async def refresh_claim(self, turn_id: str) -> None:
-        await self.redis.pexpire(self.keys.invoke_claim(turn_id), int(self.settings.invoke_lease_s * 1000))
+        await self.redis.pexpire(self.keys.model_claim(turn_id), int(self.settings.invoke_lease_s * 1000))
 
-    async def artifact(self, turn_id: str, name: str) -> bytes | None:
-        return as_bytes(await self.redis.get(self.keys.artifact(turn_id, name)))
+    async def artifact(self, turn_id: str, stage: str) -> bytes | None:
+        return as_bytes(await self.redis.get(self.keys.artifact(turn_id, stage)))
 
-    async def turn_state(self, turn_id: str) -> dict[str, str]:
-        return text_map(await self.redis.hgetall(self.keys.turn(turn_id)))
+    async def turn_state(self, turn_id: str) -> TurnState:
+        return TurnState.from_hash(text_map(await self.redis.hgetall(self.keys.turn(turn_id))))
 
     # --- reads ---------------------------------------------------------------------------------
 
+    async def find_conversation(self, conversation_id: str) -> ConversationRecord | None:
+        fields = text_map(await self.redis.hgetall(self.keys.conversation(conversation_id)))
+        return conversation_from_hash(conversation_id, fields)
+
     async def load_conversation(self, conversation_id: str) -> ConversationRecord:
-        record = conversation_from_hash(
-            conversation_id, text_map(await self.redis.hgetall(self.keys.conversation(conversation_id)))
-        )
+        record = await self.find_conversation(conversation_id)
         if record is None:
             raise ConversationNotFound(f"conversation {conversation_id!r} does not exist")
         return record
+
+    async def has_message(self, conversation_id: str, message_id: str) -> bool:
+        return bool(await self.redis.hexists(self.keys.messages(conversation_id), message_id))
 
     async def load_config(self, agent_id: str, ref: ConfigRef) -> tuple[AgentConfig, str]:
         """The config a turn runs and its reference ("v<N>" or "draft:<id>")."""
@@ -256,7 +297,6 @@ class Store:
     async def load_recent_messages(self, conversation_id: str, limit: int) -> list[MessageRecord]:
         """The newest `limit` message rows of a conversation, newest first (a bounded read)."""
         k = self.keys
-        # no scores asked for: members only
         newest = cast(list[bytes], await self.redis.zrevrange(k.message_order(conversation_id), 0, limit - 1))
         ids = [text(i) for i in newest]
         if not ids:
@@ -270,15 +310,3 @@ class Store:
         values = await self.redis.hmget(self.keys.snapshots(conversation_id), list(message_ids))
         return {mid: v for mid, v in zip(message_ids, map(as_bytes, values), strict=True) if v is not None}
 
-
-def text(value: bytes | str) -> str:
-    """redis-py returns bytes (no decode_responses); its types also admit str."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def as_bytes(value: bytes | str | None) -> bytes | None:
-    return value.encode() if isinstance(value, str) else value
-
-
-def text_map(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
-    return {text(k): text(v) for k, v in raw.items()}

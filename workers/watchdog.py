@@ -3,68 +3,64 @@
 dramatiq redelivers a dead worker's message only after its heartbeat timeout plus a random
 maintenance pass (minutes, up to ~25 min measured), and a conversation waits behind its turn all
 that time. Each worker process therefore looks, every `watchdog_s`, at turns that made no progress
-for `stall_s`: a turn with a live invoke claim is running; any other gets its next stage enqueued
-again. Every stage is idempotent, so the duplicate that dramatiq may still deliver later, or a
-message that was only waiting in a long queue, changes nothing.
+for `stall_s`: a turn with a live model claim is running; any other gets its first unfinished stage
+enqueued again — at most `max_recoveries` times, after which the turn ends `failed` instead of
+being run again forever. Every stage is idempotent, so the duplicate that dramatiq may still
+deliver later, or a message that was only waiting in a long queue, changes nothing.
 """
 
 from __future__ import annotations
 
-import json
-import threading
-import time
+import asyncio
 from typing import cast
 
 import redis
 import structlog
+from threadline.pipeline.contracts import Envelope
 
-from . import lua
-from .client import Client
-from .store import text
+from .runtime import Runtime
+from .schema import text
+from .store import WAKE_ID
 
 log = structlog.get_logger(__name__)
 
 
 class Watchdog:
-    def __init__(self, client: Client, *, stall_s: float, every_s: float) -> None:
-        self.client = client
-        self.stall_s = stall_s
-        self.every_s = every_s
-        self._stalled = client.redis.register_script(lua.STALLED)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="threadline-watchdog", daemon=True)
-        self._thread.start()
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.rt.settings.watchdog_s)
             try:
-                self.sweep(time.time())
+                await self.sweep(self.rt.now())
             except redis.RedisError as e:
                 log.warning("watchdog_sweep_failed", error=str(e))
 
-    def sweep(self, now: float) -> int:
+    async def sweep(self, now: float) -> int:
         """Enqueue again the next stage of every stalled turn; returns how many were."""
-        keys = self.client.keys
-        stalled = cast(list[bytes], self.client.redis.zrangebyscore(keys.running(), "-inf", now - self.stall_s,
-                                                                     start=0, num=100))
+        rt, store = self.rt, self.rt.store
+        stalled = cast(list[bytes], await store.redis.zrangebyscore(
+            store.keys.running(), "-inf", now - rt.settings.stall_s, start=0, num=100))
         recovered = 0
         for raw in stalled:
             turn_id = text(raw)
-            reply = self._stalled(keys=[keys.turn(turn_id), keys.invoke_claim(turn_id), keys.running()],
-                                  args=[turn_id, now])
-            if text(reply[0]) != "stalled":
+            verdict, stage, attempt, request = await store.stalled(turn_id, now=now,
+                                                                   max_recoveries=rt.settings.max_recoveries)
+            if verdict == "exhausted":
+                await rt.end_turn(turn_id, "failed", code="internal_error",
+                                  message=f"the turn stalled at {stage} more than {rt.settings.max_recoveries} times")
                 continue
-            stage, attempt, wake = text(reply[1]), int(reply[2]), text(reply[4])
-            if stage == "resolve":
-                if not wake:
+            if verdict != "stalled":
+                continue
+            message_id = f"recover.{turn_id}.{rt.new_id()[:8]}"
+            if stage == rt.graph.first.name:
+                if not request:
                     continue
-                self.client.enqueue("resolve", "resolve", tuple(json.loads(wake)["args"]))
+                await store.enqueue(rt.graph.first.queue, message_id, request.replace(WAKE_ID, message_id).encode())
             else:
-                self.client.enqueue(stage, stage, ({"v": 1, "turn_id": turn_id, "stage": stage, "attempt": attempt},))
-            log.warning("stalled_turn_requeued", turn_id=turn_id, stage=stage, stalled_s=self.stall_s)
+                arg = Envelope(turn_id=turn_id, stage=stage, attempt=attempt).model_dump()
+                await store.enqueue_stage(stage, arg, message_id=message_id, now_ms=rt.now_ms())
+            log.warning("stalled_turn_requeued", turn_id=turn_id, stage=stage, stalled_s=rt.settings.stall_s)
             recovered += 1
         return recovered

@@ -17,105 +17,65 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import dramatiq
 import structlog
-from dramatiq.asyncio import get_event_loop_thread
-from dramatiq.middleware import Middleware
+from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
+from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 
 from .actors import declare_actors
-from .broker import QUEUES, DoorbellBroker, make_broker
-from .client import Client
-from .control import CancelRegistry, CancelWatcher
+from .actors import queues as all_queues
+from .broker import DoorbellBroker
 from .logs import configure_logging
-from .runtime import Runtime, runtime, set_runtime
+from .middleware import Boot, GiveUp, LogContext
+from .runtime import RuntimeRef
 from .settings import Settings
-from .store import Store
-from .watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
 
-class Boot(Middleware):
-    """Sets up the process's runtime (store, cancel registry and watcher) when its worker boots."""
-
-    def __init__(self, settings: Settings, url: str) -> None:
-        self.settings = settings
-        self.url = url
-        self.watcher: CancelWatcher | None = None
-        self.watchdog: Watchdog | None = None
-
-    def before_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        assert isinstance(broker, DoorbellBroker)
-        registry = CancelRegistry()
-        set_runtime(Runtime(Store.connect(self.url, self.settings), registry))
-        self.watcher = CancelWatcher(registry, broker.listener, self.url, broker.keys)
-        self.watchdog = Watchdog(Client(self.url, prefix=self.settings.prefix), stall_s=self.settings.stall_s,
-                                 every_s=self.settings.watchdog_s)
-
-    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        assert isinstance(broker, DoorbellBroker)
-        broker.before_shutdown()
-
-    def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        set_runtime(None)
-
-
-class GiveUp(Middleware):
-    """When a message exhausts its retries (it goes to the dead-letter queue), its turn still gets
-    its one terminal event: `failed` with `internal_error`."""
-
-    def after_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy, *,
-                              result: Any = None, exception: BaseException | None = None) -> None:
-        if exception is None or not message.failed:
-            return
-        turn_id = _turn_id_of(message)
-        if turn_id is None:
-            return
-        loop = get_event_loop_thread()
-        if loop is None:
-            return
-        try:
-            loop.run_coroutine(runtime().end_turn(
-                turn_id, "failed", code="internal_error",
-                message=f"{message.actor_name} failed after retries: {type(exception).__name__}",
-            ))
-        except Exception:
-            log.exception("give_up_failed", turn_id=turn_id)
-
-
-def _turn_id_of(message: dramatiq.MessageProxy) -> str | None:
-    arg = message.args[0] if message.args else None
-    if isinstance(arg, dict) and isinstance(arg.get("turn_id"), str):
-        return str(arg["turn_id"])
-    if message.actor_name == "resolve":
-        return str(message.message_id)
-    return None
-
-
-def create_broker(settings: Settings, url: str) -> DoorbellBroker:
-    broker = make_broker(settings, url, extra=[Boot(settings, url), GiveUp()])
-    declare_actors(broker)
+def create_broker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GRAPH) -> DoorbellBroker:
+    """The broker of one worker, with every middleware and the actors of `graph` declared on it."""
+    ref = RuntimeRef()
+    middleware = [
+        AgeLimit(),
+        GiveUp(ref, admit_actor=graph.first.name),  # before Retries: its after-hook must run after Retries'
+        Retries(max_retries=settings.max_retries, min_backoff=200, max_backoff=10_000),
+        CurrentMessage(),
+        AsyncIO(),
+        LogContext(),
+        Boot(settings, url, graph, ref),
+    ]
+    broker = DoorbellBroker(settings=settings, url=url, middleware=middleware,
+                            slow_queues=frozenset(s.queue for s in graph.of_kind("model")))
+    dramatiq.set_broker(broker)
+    declare_actors(broker, graph, ref, max_retries=settings.max_retries)
     return broker
+
+
+def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GRAPH, queues: Sequence[str] = (),
+                 threads: int | None = None) -> tuple[DoorbellBroker, dramatiq.Worker]:
+    """A running worker in this process (`serve` runs one until a signal; tests run one in-process)."""
+    threads = threads or settings.threads
+    settings = dataclasses.replace(settings, invoke_prefetch=settings.invoke_prefetch or max(1, threads // 2))
+    broker = create_broker(settings, url, graph=graph)
+    unknown = sorted(set(queues) - set(all_queues(graph)))
+    if unknown:
+        raise ValueError(f"unknown queues {unknown}; the queues are {list(all_queues(graph))}")
+    worker = dramatiq.Worker(broker, queues=set(queues) or None, worker_threads=threads, worker_timeout=100)
+    worker.start()
+    return broker, worker
 
 
 def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: int | None = None) -> None:
     """Run one worker process until SIGTERM/SIGINT."""
     configure_logging(settings)
-    threads = threads or settings.threads
-    settings = dataclasses.replace(settings, invoke_prefetch=settings.invoke_prefetch or max(1, threads // 2))
-    broker = create_broker(settings, url)
-    worker = dramatiq.Worker(broker, queues=set(queues) or None, worker_threads=threads, worker_timeout=100)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    worker.start()
-    log.info("worker_started", pid=os.getpid(), queues=sorted(queues or QUEUES), threads=worker.worker_threads)
+    broker, worker = start_worker(settings, url, queues=queues, threads=threads)
+    log.info("worker_started", pid=os.getpid(), queues=sorted(queues or all_queues(DEFAULT_GRAPH)),
+             threads=worker.worker_threads)
     stop.wait()
     log.info("worker_stopping", pid=os.getpid())
     worker.stop(timeout=10_000)

@@ -1,0 +1,140 @@
+"""The stage graph, declared once: every stage's name (its actor and its queue), its kind, what it
+needs loaded, and its pure function. The order of the table is the order of the turn.
+
+Four kinds of stage, each run by one generic runner in `workers/` (none of which names a stage):
+
+- `admit`: the first stage. It validates the producer's request, takes the turn's place in its
+  conversation's line and pins what the turn runs with (its output is the `ResolvedTurn`).
+- `transform`: a pure function from the previous stage's artifact (and data the shell loads for
+  its `needs`) to a new artifact. Adding a stage is one `Stage` entry plus one such function.
+- `model`: the model call (slow, cancellable, retried, streamed).
+- `finish`: the one terminal write of the turn.
+
+Artifacts are JSON text stored under turn-scoped keys named after the stage that wrote them; a
+stage reads the admit stage's artifact and the previous stage's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .history import assemble_history, decode_messages, encode_messages
+from .mapping import normalise_messages
+from .records import ResolvedTurn
+
+StageKind = Literal["admit", "transform", "model", "finish"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageInput:
+    turn: ResolvedTurn
+    #: The previous stage's artifact (JSON text).
+    artifact: str
+    #: What the shell loaded for the stage's `needs`, by need.
+    loaded: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StageOutput:
+    artifact: str
+    #: The decision record: what the stage chose and why (logged, and carried by its `finished` event).
+    decision: Mapping[str, Any] = field(default_factory=dict)
+
+
+Transform = Callable[[StageInput], StageOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    name: str
+    kind: StageKind
+    run: Transform | None = None
+    #: Data the shell loads before `run` (loaders are keyed by need, never by stage).
+    needs: tuple[str, ...] = ()
+
+    @property
+    def queue(self) -> str:
+        return self.name
+
+
+class StageGraph:
+    """An ordered chain of stages: one `admit` first, one `finish` last."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        if len(stages) < 2 or stages[0].kind != "admit" or stages[-1].kind != "finish":
+            raise ValueError("a stage graph starts with its admit stage and ends with its finish stage")
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique: {names}")
+        for s in stages:
+            if (s.kind == "transform") != (s.run is not None):
+                raise ValueError(f"stage {s.name!r}: transform stages, and only they, have a function")
+        self.stages: tuple[Stage, ...] = tuple(stages)
+        self._by_name = {s.name: s for s in stages}
+
+    def __iter__(self) -> Iterator[Stage]:
+        return iter(self.stages)
+
+    def __getitem__(self, name: str) -> Stage:
+        return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    @property
+    def first(self) -> Stage:
+        return self.stages[0]
+
+    def next(self, name: str) -> Stage | None:
+        i = self.names.index(name)
+        return self.stages[i + 1] if i + 1 < len(self.stages) else None
+
+    def previous(self, name: str) -> Stage:
+        i = self.names.index(name)
+        if i == 0:
+            raise ValueError(f"{name!r} is the first stage")
+        return self.stages[i - 1]
+
+    def of_kind(self, kind: StageKind) -> list[Stage]:
+        return [s for s in self.stages if s.kind == kind]
+
+    def with_stage(self, stage: Stage, *, after: str) -> StageGraph:
+        """A copy with `stage` inserted after the stage named `after`."""
+        i = self.names.index(after)
+        return StageGraph([*self.stages[: i + 1], stage, *self.stages[i + 1 :]])
+
+
+# --- the transform stages -------------------------------------------------------------------------
+
+
+def history_stage(given: StageInput) -> StageOutput:
+    """The thread's stored pydantic-ai messages, in order (the shell loads the thread)."""
+    thread, truncated, snapshots = given.loaded["thread"]
+    decoded = {mid: decode_messages(data, where=f"message {mid}") for mid, data in snapshots.items()}
+    messages, decision = assemble_history(thread, decoded)
+    record = {**dataclasses.asdict(decision), "truncated_by_read_bound": truncated, "messages_out": len(messages)}
+    return StageOutput(encode_messages(messages).decode(), record)
+
+
+def map_stage(given: StageInput) -> StageOutput:
+    """The history normalised for strict chat templates (see `pipeline.mapping`)."""
+    history = decode_messages(given.artifact, where="the assembled history")
+    # A resume answers the open calls of the paused response: leave that frontier to the run.
+    mapped, decision = normalise_messages(history, repair_last_response=given.turn.deferred_answers is None)
+    return StageOutput(encode_messages(mapped).decode(), dataclasses.asdict(decision))
+
+
+DEFAULT_GRAPH = StageGraph([
+    Stage("resolve", "admit"),
+    Stage("history", "transform", history_stage, needs=("thread",)),
+    Stage("map", "transform", map_stage),
+    Stage("invoke", "model"),
+    Stage("persist", "finish"),
+])

@@ -1,0 +1,52 @@
+"""Sets up a worker's runtime when the worker boots (store, cancel registry and watcher, the
+watchdog on the worker's event loop), and tears it down when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import dramatiq
+from dramatiq.asyncio import get_event_loop_thread
+from dramatiq.middleware import Middleware
+from threadline.pipeline.stages import StageGraph
+from threadline.workers.control import CancelRegistry, CancelWatcher
+from threadline.workers.runtime import Runtime, RuntimeRef
+from threadline.workers.settings import Settings
+from threadline.workers.store import Store
+from threadline.workers.watchdog import Watchdog
+
+
+class Boot(Middleware):
+    def __init__(self, settings: Settings, url: str, graph: StageGraph, ref: RuntimeRef) -> None:
+        self.settings = settings
+        self.url = url
+        self.graph = graph
+        self.ref = ref
+        self.watcher: CancelWatcher | None = None
+        self._watchdog: concurrent.futures.Future[None] | None = None
+
+    def before_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        from threadline.workers.broker import DoorbellBroker
+
+        assert isinstance(broker, DoorbellBroker)
+        registry = CancelRegistry()
+        runtime = Runtime(Store.connect(self.url, self.settings, self.graph), registry)
+        self.ref.set(runtime)
+        self.watcher = CancelWatcher(registry, broker.listener, self.url, broker.keys)
+        loop = get_event_loop_thread()
+        assert loop is not None, "the AsyncIO middleware comes before Boot"
+        self._watchdog = asyncio.run_coroutine_threadsafe(Watchdog(runtime).run(), loop.loop)
+
+    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        from threadline.workers.broker import DoorbellBroker
+
+        assert isinstance(broker, DoorbellBroker)
+        broker.before_shutdown()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.ref.set(None)

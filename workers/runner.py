@@ -1,0 +1,326 @@
+"""One runner per kind of stage (`pipeline.stages.StageKind`), none of which names a stage.
+
+Every runner is the same shape: begin (the store checks that the turn is live, not cancelled, not
+past its deadline, and that this stage has not run) → log context → the stage's pure function →
+hand over to the next stage in one atomic step. Every early ending goes through
+`Runtime.end_turn`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import dramatiq
+import structlog
+from dramatiq.middleware import CurrentMessage
+from pydantic_ai import CancellationToken
+from threadline.pipeline import events
+from threadline.pipeline.contracts import (
+    Envelope,
+    TurnRequest,
+    extract_conversation_id,
+    extract_turn_id,
+    new_conversation_id,
+    parse_turn_request,
+    valid_turn_id,
+)
+from threadline.pipeline.errors import ThreadlineError
+from threadline.pipeline.history import decode_messages
+from threadline.pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
+from threadline.pipeline.persist import final_row, new_conversation, pending_row
+from threadline.pipeline.records import ConversationRecord, ResolvedTurn
+from threadline.pipeline.resolve import choose_config, resolve_turn
+from threadline.pipeline.stages import Stage, StageInput
+from threadline.pipeline.streaming import RunEvents, TextDebouncer
+
+from .broker import build_message
+from .loaders import LOADERS
+from .runtime import Runtime
+from .store import WAKE_ID, Accept, Begin, Finish, Next
+from .stream import TurnStream
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A stage that may run: its envelope, what the store began, the resolved turn, its start time."""
+
+    env: Envelope
+    begin: Begin
+    turn: ResolvedTurn
+    t0: float
+
+
+def _finished(s: Started, stage: Stage, decision: Mapping[str, Any] | None = None) -> events.StageEvent:
+    return events.StageEvent(turn_id=s.env.turn_id, attempt=s.begin.attempt, stage=stage.name, status="finished",
+                             ms=round((time.perf_counter() - s.t0) * 1000, 2),
+                             decision=dict(decision) if decision else None)
+
+
+async def _stopped(rt: Runtime, begin: Begin, turn_id: str, stage: Stage) -> bool:
+    """True when the stage must not run: the turn ended, the stage ran already, or the turn is being
+    cancelled or is past its deadline (it ends here, before any model call)."""
+    if begin.status == "go":
+        return False
+    if begin.status == "cancelled":
+        await rt.end_turn(turn_id, "cancelled", code="cancelled", message=f"cancelled before {stage.name}")
+    elif begin.status == "timed_out":
+        await rt.end_turn(turn_id, "timed_out", code="timed_out", message=f"deadline passed before {stage.name}")
+    else:
+        log.info("stage_skipped", reason=begin.status)
+    return True
+
+
+async def _start(rt: Runtime, stage: Stage, env: Envelope, *, claim: str = "") -> Started | None:
+    t0 = time.perf_counter()
+    started = events.StageEvent(turn_id=env.turn_id, stage=stage.name, status="started")
+    begin = await rt.store.begin(env.turn_id, stage.name, now=rt.now(), interrupts=stage.kind != "finish",
+                                 claim=claim, started=started, attempt_hint=env.attempt)
+    if await _stopped(rt, begin, env.turn_id, stage):
+        return None
+    turn = ResolvedTurn.model_validate_json(begin.admitted)
+    structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
+    return Started(env, begin, turn, t0)
+
+
+async def _hand_over(rt: Runtime, stage: Stage, s: Started, artifact: str,
+                     decision: Mapping[str, Any] | None = None) -> None:
+    following = rt.graph.next(stage.name)
+    assert following is not None, "the finish stage hands over to no one"
+    arg = Envelope(turn_id=s.env.turn_id, stage=following.name, attempt=s.begin.attempt).model_dump()
+    await rt.store.advance(
+        s.env.turn_id, stage.name, next_=Next(following.name, arg, rt.new_id()), now=rt.now(), now_ms=rt.now_ms(),
+        artifact=artifact, events_=[_finished(s, stage, decision)], fence=s.begin.fence,
+        conversation_id=s.turn.conversation_id,
+    )
+
+
+# --- transform ------------------------------------------------------------------------------------
+
+
+async def run_transform(rt: Runtime, stage: Stage, envelope: object) -> None:
+    env = Envelope.model_validate(envelope)
+    if (s := await _start(rt, stage, env)) is None:
+        return
+    assert stage.run is not None
+    try:
+        loaded = {need: await LOADERS[need](rt.store, s.turn) for need in stage.needs}
+        out = stage.run(StageInput(s.turn, s.begin.previous, loaded))
+    except ThreadlineError as e:
+        await rt.end_turn(env.turn_id, "failed", code=e.code, message=e.message, resolved=s.turn)
+        return
+    log.info("stage_decided", **out.decision)
+    await _hand_over(rt, stage, s, out.artifact, out.decision)
+
+
+# --- model ----------------------------------------------------------------------------------------
+
+
+async def run_model(rt: Runtime, stage: Stage, envelope: object) -> None:
+    env = Envelope.model_validate(envelope)
+    token = rt.registry.register(env.turn_id)  # before begin: a cancel from now on reaches the run
+    try:
+        if (s := await _start(rt, stage, env, claim=rt.worker_id)) is None:
+            return
+        try:
+            await _call_model(rt, stage, s, token)
+        except Exception:
+            # dramatiq retries this message: its next delivery must not find our claim and stand down
+            await rt.store.release_claim(env.turn_id)
+            raise
+    finally:
+        rt.registry.unregister(env.turn_id, token)
+
+
+@contextlib.asynccontextmanager
+async def _claim_heartbeat(rt: Runtime, turn_id: str) -> AsyncIterator[None]:
+    """Keep the model claim alive while the run lasts, so a duplicate delivery stays out."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(rt.settings.invoke_lease_s / 3)
+            await rt.store.refresh_claim(turn_id)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+async def _call_model(rt: Runtime, stage: Stage, s: Started, token: CancellationToken) -> None:
+    turn, turn_id, attempt = s.turn, s.env.turn_id, s.begin.attempt
+    try:
+        agent = rt.agent(turn.config.model, turn.config.tools)
+        history = decode_messages(s.begin.previous, where="the mapped history")
+    except ThreadlineError as e:
+        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message, resolved=turn)
+        return
+    deadline_at = s.begin.deadline_at or rt.now() + turn.deadline_s
+    translator = RunEvents(turn_id, attempt, TextDebouncer(window_s=rt.settings.debounce_ms / 1000),
+                           tool_payload_chars=rt.settings.max_text_chars)
+    async with _claim_heartbeat(rt, turn_id), TurnStream(translator, partial(rt.store.emit, turn_id), rt.now) as stream:
+        outcome = await run_turn(turn, history, agent=agent, attempt=attempt, stream=stream, token=token,
+                                 clock=rt.now, timeout_s=deadline_at - rt.now(), max_chars=rt.settings.max_text_chars,
+                                 secrets=rt.secrets(turn.config.model))
+    log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump(),
+             truncated_parts=outcome.truncated_parts)
+    delay_s = retry_delay_s(outcome, attempt=attempt, max_attempts=rt.settings.max_invoke_attempts)
+    if delay_s is None:
+        await _hand_over(rt, stage, s, outcome.model_dump_json())
+        return
+    reason = f"{outcome.code}: {outcome.message}"
+    arg = Envelope(turn_id=turn_id, stage=stage.name, attempt=attempt + 1).model_dump()
+    await rt.store.retry(turn_id, next_=Next(stage.name, arg, rt.new_id(), delay_ms=int(delay_s * 1000)),
+                         now=rt.now(), now_ms=rt.now_ms(),
+                         event=events.Retrying(turn_id=turn_id, attempt=attempt + 1, reason=reason))
+    log.info("model_retry_scheduled", delay_s=delay_s, reason=reason)
+
+
+# --- finish ---------------------------------------------------------------------------------------
+
+
+async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
+    env = Envelope.model_validate(envelope)
+    if (s := await _start(rt, stage, env)) is None:
+        return
+    turn = s.turn
+    outcome = InvokeOutcome.model_validate_json(s.begin.previous)
+    row = final_row(turn, status=outcome.status, now=rt.now(), answer=outcome.answer, usage=outcome.usage,
+                    code=outcome.code, tools=outcome.tools)
+    terminal = events.terminal(
+        env.turn_id, s.begin.attempt, outcome.status, answer=outcome.answer, usage=outcome.usage,
+        code=outcome.code, message=outcome.message, pending_tool_calls=outcome.pending_tool_calls,
+        conversation_id=turn.conversation_id, message_id=turn.message_id,
+    )
+    result = await rt.store.finish(
+        Finish(turn_id=env.turn_id, event=terminal, conversation_id=turn.conversation_id, message=row,
+               snapshot=outcome.snapshot, pending_tool_calls=outcome.pending_tool_calls, fence=s.begin.fence,
+               tenant_id=turn.tenant_id, before=[_finished(s, stage)]),
+        now=rt.now(),
+    )
+    log.info("persisted", status=outcome.status, write=result, snapshot=outcome.snapshot is not None)
+
+
+# --- admit ----------------------------------------------------------------------------------------
+
+
+async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
+    """Validate the producer's request, refuse it before anything of its conversation is touched,
+    take its place in the conversation's line, pin what it runs with, and accept it."""
+    message = CurrentMessage.get_current_message()
+    assert message is not None, "the CurrentMessage middleware is installed"
+    turn_id = extract_turn_id(request) or valid_turn_id(message.message_id)
+    if turn_id is None:
+        # no id that names a turn of its own: there is no stream to report on
+        await rt.store.dead_letter(stage.queue, message.message_id, stage.name, "invalid_turn_id")
+        log.warning("turn_refused", reason="invalid_turn_id")
+        return
+    structlog.contextvars.bind_contextvars(turn_id=turn_id)
+    try:
+        req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=rt.settings.max_query_chars)
+    except ThreadlineError as e:
+        # a producer may have put the turn in its conversation's line: take it out again
+        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message,
+                          conversation_id=extract_conversation_id(request))
+        return
+    cid = req.conversation_id or new_conversation_id(turn_id)
+    structlog.contextvars.bind_contextvars(conversation_id=cid)
+    t0 = time.perf_counter()
+    try:
+        # validate before anything of the conversation is written: a refusal leaves it as it was
+        resolved = await _resolve(rt, req, cid, must_exist=False)
+    except ThreadlineError as e:
+        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message, conversation_id=cid)
+        return
+    _, _, wake = build_message(stage.queue, stage.name, (req.model_dump(mode="json", by_alias=True),),
+                               message_id=WAKE_ID, now_ms=message.message_timestamp)
+    admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake)
+    if admission == "cancelled":
+        await rt.end_turn(turn_id, "cancelled", code="cancelled", conversation_id=cid,
+                          message="cancelled before it started")
+    if admission != "admitted":
+        log.info("turn_not_admitted", admission=admission, behind=ahead)
+        return
+    begin = await rt.store.begin(turn_id, stage.name, now=rt.now())
+    if await _stopped(rt, begin, turn_id, stage):
+        return
+    try:
+        if resolved is None or req.conversation_id is not None:
+            # the conversation may have changed (or been created) while this turn waited
+            resolved = await _resolve(rt, req, cid, must_exist=True)
+    except ThreadlineError as e:
+        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message, conversation_id=cid)
+        return
+    assert resolved is not None
+    await _accept(rt, stage, resolved, begin, t0)
+
+
+async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool) -> ResolvedTurn | None:
+    """The turn pinned (config, variables, parent), or None when its conversation does not exist yet
+    and need not (its first turn may still be ahead in line)."""
+    conversation: ConversationRecord | None = None
+    if req.conversation_id is not None:
+        conversation = await rt.store.find_conversation(req.conversation_id)
+        if conversation is None:
+            if must_exist:
+                await rt.store.load_conversation(req.conversation_id)  # raises conversation_not_found
+            return None
+    config, ref = await rt.store.load_config(req.agent_id, choose_config(req, conversation))
+    parent = req.parent_message_id
+    parent_known = parent in (None, "root") or (
+        conversation is not None and await rt.store.has_message(conversation.id, str(parent)))
+    resolved, decision = resolve_turn(req, conversation=conversation, config=config, config_ref=ref,
+                                      new_conversation_id=cid, now=rt.now(), parent_known=parent_known)
+    log.info("resolved", config_ref=decision.config_ref, new_conversation=decision.new_conversation,
+             missing_variables=decision.missing_variables)
+    return resolved
+
+
+async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begin, t0: float) -> None:
+    turn_id = resolved.turn_id
+    following = rt.graph.next(stage.name)
+    assert following is not None
+    s = Started(Envelope(turn_id=turn_id, stage=stage.name), begin, resolved, t0)
+    accepted = events.Accepted(turn_id=turn_id, conversation_id=resolved.conversation_id,
+                               message_id=resolved.message_id, parent_message_id=resolved.parent_message_id,
+                               config_version=resolved.config_ref)
+    # `accepted` is the first event of a turn; the admit stage's own `started` follows it
+    started = events.StageEvent(turn_id=turn_id, stage=stage.name, status="started")
+    await rt.store.advance(
+        turn_id, stage.name, next_=Next(following.name, Envelope(turn_id=turn_id, stage=following.name).model_dump(),
+                                        rt.new_id()),
+        now=rt.now(), now_ms=rt.now_ms(), artifact=resolved.model_dump_json(),
+        events_=[accepted, started, _finished(s, stage)], fence=begin.fence, conversation_id=resolved.conversation_id,
+        accept=Accept(new_conversation(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s),
+    )
+
+
+# --- control --------------------------------------------------------------------------------------
+
+
+async def run_cancel(rt: Runtime, turn_id: object, reason: object = "") -> None:
+    """The control actor: a durable flag, a broadcast to every process, and a waiting turn ended."""
+    tid = valid_turn_id(turn_id)
+    if tid is None or not isinstance(reason, str):
+        message: dramatiq.Message[Any] | None = CurrentMessage.get_current_message()
+        mid = message.message_id if message is not None else ""
+        await rt.store.dead_letter("control", mid, "cancel", "invalid_cancel_arguments")
+        log.warning("cancel_refused", reason="invalid_cancel_arguments")
+        return
+    structlog.contextvars.bind_contextvars(turn_id=tid)
+    outcome, status = await rt.store.cancel(tid, reason[:1000], now=rt.now())
+    rt.registry.cancel(tid)
+    if outcome == "noop":
+        log.info("cancel_noop", reason="the turn has already finished", status=status)
+    elif status == "waiting":
+        await rt.end_turn(tid, "cancelled", code="cancelled", message=reason[:1000] or "cancelled while waiting")
+    else:
+        log.info("cancel_signalled", status=status)

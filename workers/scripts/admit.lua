@@ -1,0 +1,30 @@
+-- Take a turn's place in its conversation's line (unless its producer took it at submission), keep
+-- its request so that the turn before it can wake it, and run it now if it is first in line and
+-- the conversation is free; otherwise it waits.
+-- KEYS[1] turn   KEYS[2] cancel flag   KEYS[3] running turns   KEYS[4] conversation's line
+-- KEYS[5] conversation's lease   KEYS[6] conversation's waiting requests
+-- ARGV[1] JSON {turn_id, conversation_id, now, ttl_s, done (the admit stage's done marker)}
+-- ARGV[2] the turn's request as a dramatiq message whose id is a placeholder (see finish.lua)
+-- Returns {'admitted', fence} | {'waiting', ahead} | {'terminal', status} | {'done'} | {'cancelled'}
+local turn = KEYS[1]
+local a = cjson.decode(ARGV[1])
+local status = redis.call('HGET', turn, 'status')
+if status and TERMINAL[status] then return {'terminal', status} end
+if redis.call('HEXISTS', turn, a.done) == 1 then return {'done'} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancelled'} end
+redis.call('ZADD', KEYS[4], 'NX', now_us(), a.turn_id)
+redis.call('HSET', KEYS[6], a.turn_id, ARGV[2])
+redis.call('HSET', turn, 'conversation_id', a.conversation_id)
+redis.call('EXPIRE', turn, a.ttl_s)
+local holder = redis.call('HGET', KEYS[5], 'turn')
+if holder == a.turn_id then return {'admitted', redis.call('HGET', KEYS[5], 'fence')} end
+local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+if holder or head ~= a.turn_id then
+  redis.call('HSET', turn, 'status', 'waiting')
+  return {'waiting', holder or head}
+end
+local fence = redis.call('HINCRBY', KEYS[5], 'fence', 1)
+redis.call('HSET', KEYS[5], 'turn', a.turn_id)
+redis.call('HSET', turn, 'status', 'running', 'fence', fence, 'admitted_at', a.now)
+redis.call('ZADD', KEYS[3], a.now, a.turn_id)
+return {'admitted', tostring(fence)}

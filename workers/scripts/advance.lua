@@ -1,0 +1,37 @@
+-- Finish a stage and hand the turn to the next one, in one step: mark the stage done, store its
+-- artifact, append its events, enqueue the next stage's message. The end of the admit stage also
+-- accepts the turn: the conversation (when new) and the turn's pending message row exist from then.
+-- KEYS[1] turn   KEYS[2] events   KEYS[3] this stage's artifact   KEYS[4] running turns
+-- KEYS[5] conversation's lease   KEYS[6] conversation   KEYS[7] conversation's messages
+-- KEYS[8] conversation's message order   KEYS[9] next queue's messages   KEYS[10] next queue
+-- ARGV[1] JSON {stage, turn_id, fence ("" = not checked), now, artifact_ttl_ms, next_id,
+--               next_queue, channel, events: [event...],
+--               accept (absent, or {conversation: {field: value}, deadline_at, message_id})}
+-- ARGV[2] the artifact   ARGV[3] the next stage's message   ARGV[4] the pending message row
+-- Returns 'ok' | 'terminal' | 'done' | 'stale'
+local turn, events = KEYS[1], KEYS[2]
+local a = cjson.decode(ARGV[1])
+local status = redis.call('HGET', turn, 'status')
+if status and TERMINAL[status] then return 'terminal' end
+if redis.call('HEXISTS', turn, 'done:' .. a.stage) == 1 then return 'done' end
+if a.fence ~= '' and (redis.call('HGET', KEYS[5], 'turn') ~= a.turn_id
+                      or redis.call('HGET', KEYS[5], 'fence') ~= a.fence) then
+  return 'stale'
+end
+if a.accept then
+  if redis.call('EXISTS', KEYS[6]) == 0 then
+    for field, value in pairs(a.accept.conversation) do redis.call('HSET', KEYS[6], field, value) end
+  end
+  redis.call('HSETNX', turn, 'deadline_at', a.accept.deadline_at)
+  if redis.call('HEXISTS', KEYS[7], a.accept.message_id) == 0 then
+    redis.call('HSET', KEYS[7], a.accept.message_id, ARGV[4])
+    redis.call('ZADD', KEYS[8], 'NX', redis.call('HINCRBY', KEYS[6], 'message_seq', 1), a.accept.message_id)
+  end
+  redis.call('HSET', turn, 'message_id', a.accept.message_id)
+end
+redis.call('HSET', turn, 'done:' .. a.stage, a.now)
+redis.call('ZADD', KEYS[4], a.now, a.turn_id)
+redis.call('SET', KEYS[3], ARGV[2], 'PX', a.artifact_ttl_ms)
+for _, json in ipairs(a.events) do emit(turn, events, json) end
+enqueue(KEYS[9], KEYS[10], a.next_id, ARGV[3], a.channel, a.next_queue)
+return 'ok'

@@ -1,0 +1,37 @@
+-- Start a stage of a turn. Refuses when the turn has ended, the stage ran already, or (when asked)
+-- the turn is cancelled or past its deadline; takes the model claim when asked (a second delivery
+-- of the same model call stays out while the claim lives); announces the start.
+-- KEYS[1] turn   KEYS[2] events   KEYS[3] cancel flag   KEYS[4] the admit stage's artifact
+-- KEYS[5] the previous stage's artifact   KEYS[6] model claim   KEYS[7] running turns
+-- ARGV[1] JSON {stage, turn_id, now, interrupts (check cancel and deadline), claim (token or ""),
+--               claim_ttl_ms, started (event, or ""), redelivered (event)}; both events come
+--               without seq and attempt: a claim decides the attempt.
+-- Returns {'go', attempt, admit artifact, previous artifact, conversation id, fence, deadline}
+--       | {'terminal', status} | {'done'} | {'cancelled'} | {'timed_out'} | {'duplicate'}
+local turn, events = KEYS[1], KEYS[2]
+local a = cjson.decode(ARGV[1])
+local status = redis.call('HGET', turn, 'status')
+if status and TERMINAL[status] then return {'terminal', status} end
+if redis.call('HEXISTS', turn, 'done:' .. a.stage) == 1 then return {'done'} end
+local deadline = redis.call('HGET', turn, 'deadline_at')
+if a.interrupts then
+  if redis.call('EXISTS', KEYS[3]) == 1 then return {'cancelled'} end
+  if deadline and a.now > tonumber(deadline) then return {'timed_out'} end
+end
+local attempt = tonumber(redis.call('HGET', turn, 'attempt') or '1')
+if a.claim ~= '' then
+  if redis.call('EXISTS', KEYS[6]) == 1 then return {'duplicate'} end
+  redis.call('SET', KEYS[6], a.claim, 'PX', a.claim_ttl_ms)
+  attempt = redis.call('HINCRBY', turn, 'model_starts', 1)
+  redis.call('HSET', turn, 'attempt', attempt)
+  -- a start that no retry scheduled: the worker of the previous attempt was lost
+  if attempt > 1 and redis.call('HDEL', turn, 'retry_pending') == 0 then
+    emit(turn, events, a.redelivered, attempt)
+  end
+end
+redis.call('HSET', turn, 'stage', a.stage)
+redis.call('ZADD', KEYS[7], a.now, a.turn_id)
+if a.started ~= '' then emit(turn, events, a.started, attempt) end
+return {'go', tostring(attempt), redis.call('GET', KEYS[4]) or '', redis.call('GET', KEYS[5]) or '',
+        redis.call('HGET', turn, 'conversation_id') or '', redis.call('HGET', turn, 'fence') or '',
+        deadline or ''}

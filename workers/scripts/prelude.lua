@@ -1,0 +1,25 @@
+-- Shared by every script: workers/scripts.py puts it in front of each one.
+local TERMINAL = {succeeded=true, paused=true, failed=true, cancelled=true, timed_out=true}
+
+-- Append an event to a turn's stream. `json` is the event without `seq` (and without `attempt`
+-- when `attempt` is given): numbering is the store's, the rest of the event is the caller's.
+local function emit(turn, events, json, attempt)
+  local seq = redis.call('HINCRBY', turn, 'seq', 1)
+  local head = '{"seq":' .. seq .. ','
+  if attempt then head = head .. '"attempt":' .. attempt .. ',' end
+  redis.call('XADD', events, '*', 'json', head .. string.sub(json, 2))
+  return seq
+end
+
+-- Enqueue a dramatiq message exactly as RedisBroker.enqueue does, and ring the doorbell.
+local function enqueue(msgs, list, id, data, channel, queue)
+  redis.call('HSET', msgs, id, data)
+  redis.call('RPUSH', list, id)
+  redis.call('PUBLISH', channel, queue)
+end
+
+-- Server time in microseconds, as an exact decimal string (Lua's number format would round it).
+local function now_us()
+  local t = redis.call('TIME')
+  return t[1] .. string.format('%06d', tonumber(t[2]))
+end
