@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
-from threadline.pipeline.contracts import TERMINAL_TYPES
 from threadline.workers.client import Client
 
 from .procs import Processes, Server, raise_on_sigterm
@@ -72,16 +72,16 @@ def one_cancel(client: Client, agent: str, record: Path) -> tuple[float, float]:
                    "agent_id": agent, "query": turn_id})
     events = client.events(turn_id, follow=True, timeout_s=30)
     for event in events:
-        if event["type"] == "text_delta":
+        if isinstance(event, ev.TextDelta):
             break
     started = time.time()
     client.cancel(turn_id, "bench")
-    terminal: dict[str, Any] = {}
+    terminal: ev.Event | None = None
     for event in events:
-        if event["type"] in TERMINAL_TYPES:
+        if isinstance(event, ev.Terminal):
             terminal = event
     terminal_at = time.time()
-    if terminal.get("type") != "cancelled":
+    if not isinstance(terminal, ev.Cancelled):
         raise RuntimeError(f"turn {turn_id} ended {terminal}")
     return (closed_at(record, turn_id) - started) * 1000, (terminal_at - started) * 1000
 

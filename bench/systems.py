@@ -23,7 +23,8 @@ from typing import Any, cast
 
 import redis
 from threadline.pipeline.config import AgentConfig
-from threadline.pipeline.contracts import STAGES, TERMINAL_TYPES
+from threadline.pipeline.events import TERMINAL_TYPES
+from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.client import Client
 
 from . import bare_chain
@@ -123,7 +124,7 @@ def _segments(submit_wall_ms: float, done_wall_ms: float, entries: Sequence[tupl
         elif kind == "stage" and event.get("status") == "started":
             started.setdefault(event["stage"], at)
         elif kind == "stage" and event.get("status") == "finished":
-            finished.setdefault(event["stage"], (at, float(event.get("ms", 0.0))))
+            finished.setdefault(event["stage"], (at, float(event.get("ms") or 0.0)))
         elif kind in TERMINAL_TYPES:
             terminal_ms = at
     segments: dict[str, float] = {}
@@ -132,7 +133,7 @@ def _segments(submit_wall_ms: float, done_wall_ms: float, entries: Sequence[tupl
         segments["submit→resolve starts"] = at - ms - submit_wall_ms
         segments["resolve"] = ms
     previous = finished["resolve"][0] if "resolve" in finished else None
-    for stage in STAGES[1:]:
+    for stage in DEFAULT_GRAPH.names[1:]:
         if stage in started and previous is not None:
             segments[f"hop→{stage}"] = started[stage] - previous
         if stage in started and stage in finished:

@@ -1,4 +1,5 @@
-"""Agent config documents: parsing, validation, the settings whitelist and prompt variables."""
+"""Agent config documents: parsing, validation (credentials refused), the settings whitelist and prompt
+variables."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import json
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .contracts import Id
 from .errors import InvalidRequest
+from .redact import contains_credential, is_secret_name
 
 Provider = Literal["offline", "openai", "openai-compatible", "vllm", "ollama", "anthropic", "python"]
 
@@ -21,10 +25,73 @@ SETTINGS_WHITELIST: frozenset[str] = frozenset(
 )
 BUILTIN_TOOLS: frozenset[str] = frozenset({"clock", "ask_human"})
 _VARIABLE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+#: Names refused in a config besides those `redact` masks everywhere (`api_key`, `token`, ...).
+_CONFIG_SECRET_NAMES = frozenset({"key", "auth", "bearer", "cookie", "cookies", "set_cookie", "private_key"})
+#: Query parameters of a URL that carry credentials besides those named like secrets.
+_QUERY_SECRET_NAMES = frozenset({"key", "sig", "signature", "auth"})
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_NO_SECRETS = (
+    "never put an API key or any other secret in a config: "
+    "name the environment variable that holds it in model.api_key_env"
+)
+
+
+def find_credential(document: object, path: str = "") -> str | None:
+    """Where a config document holds a credential and why (never the value), or None. Refused:
+    fields named like secrets at any depth (`api_key`, `token`, `password`, `Authorization`, ...),
+    strings that look like keys, and URLs with a user, a password or a key in their query.
+    `*_env` fields name environment variables and are allowed."""
+    if isinstance(document, Mapping):
+        for key, value in document.items():
+            name = str(key)
+            where = f"{path}.{name}" if path else name
+            if name.lower().endswith("_env"):
+                if value is not None and not (isinstance(value, str) and _ENV_NAME.fullmatch(value)):
+                    return f"{where} must be the NAME of an environment variable, not its value"
+                continue
+            if is_secret_name(name) or name.lower().replace("-", "_") in _CONFIG_SECRET_NAMES:
+                return f"{where} is named like a credential"
+            if (found := find_credential(value, where)) is not None:
+                return found
+    elif isinstance(document, list | tuple):
+        for i, item in enumerate(document):
+            if (found := find_credential(item, f"{path}[{i}]")) is not None:
+                return found
+    elif isinstance(document, str):
+        return _string_credential(document, path or "config")
+    return None
+
+
+def _string_credential(text: str, where: str) -> str | None:
+    if _URL.match(text) and (found := _url_credential(text)) is not None:
+        return f"{where} {found}"
+    if contains_credential(text):
+        return f"{where} holds what looks like a credential"
+    return None
+
+
+def _url_credential(url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None  # not a URL after all; a malformed base_url is the model client's to refuse
+    if "@" in parts.netloc:
+        return "has credentials in its URL (a user or password before '@')"
+    for name, _ in parse_qsl(parts.query, keep_blank_values=True):
+        if is_secret_name(name) or name.lower() in _QUERY_SECRET_NAMES:
+            return f"has a credential in its query parameter {name!r}"
+    return None
+
+
+def _refuse_credentials(value: Any) -> None:
+    if (found := find_credential(value)) is not None:
+        raise PydanticCustomError("credential_in_config", "{where}; " + _NO_SECRETS, {"where": found})
 
 
 class _Doc(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A refused document may hold a secret: validation errors never quote the input.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class ModelSpec(_Doc):
@@ -49,9 +116,8 @@ class ModelSpec(_Doc):
             provider, sep, name = value.partition(":")
             if not sep:
                 raise ValueError("model shorthand must look like 'provider:name', e.g. 'offline:echo'")
-            return {"provider": provider, "name": name}
-        if isinstance(value, dict) and "api_key" in value:
-            raise ValueError("never put an API key in a config: name its environment variable in api_key_env")
+            value = {"provider": provider, "name": name}
+        _refuse_credentials(value)
         return value
 
 
@@ -69,6 +135,12 @@ class AgentConfig(_Doc):
     tools: list[str] = Field(default_factory=list)
     memory: MemorySpec = Field(default_factory=MemorySpec)
     deadline_s: Annotated[float, Field(gt=0, le=86400)] = 120.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, value: Any) -> Any:
+        _refuse_credentials(value)
+        return value
 
     @field_validator("settings")
     @classmethod
@@ -102,6 +174,8 @@ def parse_agent_config(text: str | bytes) -> AgentConfig:
         raise InvalidRequest(f"agent config is not valid YAML/JSON: {e}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("agent config must be a mapping")
+    if (found := find_credential(data)) is not None:
+        raise InvalidRequest(f"agent config refused: {found}; {_NO_SECRETS}")
     try:
         return AgentConfig.model_validate(data)
     except ValidationError as e:

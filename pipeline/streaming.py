@@ -70,9 +70,14 @@ class TextDebouncer:
         return text
 
 
+#: The last text a run streams once it reached the size limit.
+TRUNCATED = "\n[… truncated]"
+
+
 class RunEvents:
     """Translates one run's stream events into turn events, and keeps its tool activity.
-    `tool_payload_chars` bounds the arguments and results carried by events and rows."""
+    `tool_payload_chars` bounds the text streamed, and the arguments and results carried by events
+    and rows."""
 
     def __init__(self, turn_id: str, attempt: int, debouncer: TextDebouncer, *, tool_payload_chars: int) -> None:
         self.turn_id = turn_id
@@ -80,6 +85,8 @@ class RunEvents:
         self.tools: dict[str, ToolActivity] = {}
         self.debouncer = debouncer
         self._limit = tool_payload_chars
+        #: Text still allowed to stream this attempt: the stored answer is cut at the same size.
+        self._room = tool_payload_chars
 
     def observe(self, event: AgentStreamEvent, now: float) -> list[events.Event]:
         """The turn events `event` makes due now (often none: text waits in the debouncer)."""
@@ -89,7 +96,7 @@ class RunEvents:
             return self._text(event.delta.content_delta, now)
         if isinstance(event, FunctionToolCallEvent):
             part = event.part
-            args = limit_jsonable(part.args_as_dict(), self._limit)
+            args, _ = limit_jsonable(part.args_as_dict(), self._limit)
             self.tools[part.tool_call_id] = ToolActivity(tool_call_id=part.tool_call_id, name=part.tool_name,
                                                          args=args)
             call = events.ToolCall(turn_id=self.turn_id, attempt=self.attempt, tool_call_id=part.tool_call_id,
@@ -97,7 +104,7 @@ class RunEvents:
             return [*self.flush(), call]
         if isinstance(event, FunctionToolResultEvent):
             result = event.part
-            content = limit_jsonable(_jsonable(result.content), self._limit)
+            content, _ = limit_jsonable(_jsonable(result.content), self._limit)
             before = self.tools.get(result.tool_call_id)
             self.tools[result.tool_call_id] = ToolActivity(
                 tool_call_id=result.tool_call_id, name=result.tool_name,
@@ -117,6 +124,11 @@ class RunEvents:
         return self.flush() if self.debouncer.due(now) else []
 
     def _text(self, text: str, now: float) -> list[events.Event]:
+        if self._room <= 0:
+            return []
+        if len(text) >= self._room:
+            text = text[: self._room] + TRUNCATED
+        self._room -= len(text)
         ready = self.debouncer.add(text, now)
         return [self._delta(ready)] if ready else []
 

@@ -9,7 +9,7 @@ from typing import Any
 import dramatiq
 from threadline.pipeline.stages import Stage, StageGraph, StageKind
 
-from .runner import run_admit, run_cancel, run_finish, run_model, run_transform
+from .runner import MALFORMED, run_admit, run_cancel, run_finish, run_model, run_transform
 from .runtime import Runtime, RuntimeRef
 
 CONTROL_QUEUE = "control"
@@ -36,19 +36,23 @@ def declare_actors(broker: dramatiq.Broker, graph: StageGraph, ref: RuntimeRef, 
                                      max_retries=max_retries)
                 for stage in graph}
 
-    async def cancel(turn_id: object, reason: object = "") -> None:
-        await run_cancel(ref.get(), turn_id, reason)
+    async def cancel(*args: object, **kwargs: object) -> None:
+        # (turn_id) or (turn_id, reason); anything else is refused by the runner, not retried
+        ok = 1 <= len(args) <= 2 and not kwargs
+        await run_cancel(ref.get(), args[0] if ok else MALFORMED, args[1] if ok and len(args) == 2 else "")
 
     declared[CANCEL_ACTOR] = _declare(broker, CANCEL_ACTOR, CONTROL_QUEUE, cancel, priority=0,
                                       max_retries=max_retries)
     return declared
 
 
-def _stage_actor(ref: RuntimeRef, stage: Stage) -> Callable[[object], Coroutine[Any, Any, None]]:
+def _stage_actor(ref: RuntimeRef, stage: Stage) -> Callable[..., Coroutine[Any, Any, None]]:
     runner = RUNNERS[stage.kind]
 
-    async def run(arg: object) -> None:
-        await runner(ref.get(), stage, arg)
+    async def run(*args: object, **kwargs: object) -> None:
+        # a stage message carries exactly one argument; anything else is refused by the runner at
+        # once (as malformed input), not retried as a crash
+        await runner(ref.get(), stage, args[0] if len(args) == 1 and not kwargs else MALFORMED)
 
     return run
 

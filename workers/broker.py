@@ -10,29 +10,27 @@ messages are all picked up, with the ordinary polling latency.
 
 from __future__ import annotations
 
-import json
+import re
 import threading
 import time
+from collections.abc import Container
+from dataclasses import dataclass
 from typing import Any
 
 import dramatiq
 import redis
 import structlog
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
+from dramatiq.common import q_name
 from dramatiq.errors import ConnectionClosed, DecodeError
-from dramatiq.message import Message
-from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Middleware, Retries
+from dramatiq.message import Message, get_encoder
 
+from . import lua
 from .keys import Keys
 from .listener import Listener
 from .settings import Settings
 
 log = structlog.get_logger(__name__)
-
-STAGE_QUEUES = ("resolve", "history", "map", "invoke", "persist")
-CONTROL_QUEUE = "control"
-QUEUES = (*STAGE_QUEUES, CONTROL_QUEUE)
-WAKE_ID = "@@WAKE_ID@@"
 
 
 def build_message(
@@ -66,19 +64,18 @@ def build_message(
 
 
 class DoorbellBroker(RedisBroker):
-    def __init__(self, *, settings: Settings, url: str, **kwargs: Any) -> None:
+    def __init__(self, *, settings: Settings, url: str, slow_queues: frozenset[str] = frozenset(),
+                 **kwargs: Any) -> None:
         super().__init__(url=url, namespace=settings.broker_namespace, **kwargs)  # type: ignore[no-untyped-call]
         self.settings = settings
+        #: Queues of model stages: each message holds a thread for a whole model call.
+        self.slow_queues = slow_queues
         self.keys = Keys(settings.prefix)
         self.url = url
         self._rings: dict[str, list[threading.Event]] = {}
         self._rings_lock = threading.Lock()
         self._listener: Listener | None = None
         self.closing = False
-
-    @property
-    def consumer_class(self) -> type[_RedisConsumer]:
-        return DoorbellConsumer
 
     @property
     def listener(self) -> Listener:
@@ -90,7 +87,7 @@ class DoorbellBroker(RedisBroker):
         return self._listener
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> DoorbellConsumer:
-        if queue_name == "invoke":
+        if queue_name in self.slow_queues:
             prefetch = self.settings.invoke_prefetch or 1
         delayed = queue_name.endswith(".DQ")
         idle_ms = self.settings.delay_poll_ms if delayed else self.settings.idle_poll_ms
@@ -128,8 +125,105 @@ class DoorbellBroker(RedisBroker):
         super().close()
 
 
+#: JSON nested deeper than this is refused before it is parsed: the parser recurses, and a body
+#: nested 100,000 deep raises RecursionError. Turn requests and stage envelopes are far shallower.
+MAX_JSON_DEPTH = 64
+#: The dead-letter stream keeps about this many entries (XADD MAXLEN ~).
+DEAD_LETTERS_MAXLEN = 10_000
+
+# A JSON string; an unterminated one runs to the end of the data, so the scan never restarts inside
+# it (possessive quantifiers, no backtracking: linear on any input).
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+_MESSAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "queue_name": str, "actor_name": str, "args": list, "kwargs": dict, "options": dict,
+    "message_id": str, "message_timestamp": (int, float),
+}
+_REQUIRED_FIELDS = ("queue_name", "actor_name", "args", "kwargs", "options")
+
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """Why a fetched body is not a message this consumer may hand to dramatiq."""
+
+    reason: str
+    actor: str = ""
+
+
+def _json_too_deep(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `data` nests arrays/objects deeper than `limit`, counting brackets outside strings;
+    in C for the common case (few brackets), a Python loop over the brackets otherwise."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    depth = 0
+    for byte in brackets:
+        if byte in b"[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _safe_name(value: object) -> str:
+    """An actor name fit for a log line and a reason; anything else (user text, say) is `?`."""
+    return value if isinstance(value, str) and _SAFE_NAME.fullmatch(value) else "?"
+
+
+def _shape_problem(fields: object, queue_name: str) -> str | None:
+    """The first field that makes `fields` no message of this queue that dramatiq could process
+    without crashing a thread (a wrong `queue_name` kills the worker thread that finishes it)."""
+    if not isinstance(fields, dict):
+        return "not_an_object"
+    if any(name not in _MESSAGE_FIELDS for name in fields):
+        return "unknown_field"
+    for name, kind in _MESSAGE_FIELDS.items():
+        if name not in fields:
+            if name in _REQUIRED_FIELDS:
+                return name
+            continue
+        if not isinstance(fields[name], kind) or isinstance(fields[name], bool):
+            return name
+    if fields["queue_name"] != queue_name:
+        return "queue_name"
+    if not isinstance(fields["options"].get("redis_message_id"), str):
+        return "options.redis_message_id"
+    return None
+
+
+def _parse_message(data: bytes, *, queue_name: str, actors: Container[str]) -> Message[Any] | _Refused:
+    """The message in a fetched body, or why it is refused; never raises."""
+    if _json_too_deep(data):
+        return _Refused("too_deep")
+    try:
+        fields = get_encoder().decode(data)
+    except Exception as e:
+        cause = e.error if isinstance(e, DecodeError) and isinstance(e.error, BaseException) else e
+        return _Refused(f"undecodable: {type(cause).__name__}")
+    problem = _shape_problem(fields, queue_name)
+    actor = _safe_name(fields.get("actor_name")) if isinstance(fields, dict) else ""
+    if problem is not None:
+        return _Refused(f"malformed: {problem}", actor)
+    if fields["actor_name"] not in actors:
+        return _Refused(f"unknown_actor: {actor}", actor)
+    try:
+        return Message(**{**fields, "args": tuple(fields["args"])})
+    except Exception as e:
+        return _Refused(f"undecodable: {type(e).__name__}", actor)
+
+
+def _clip(value: bytes | str, limit: int = 128) -> str:
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return text[:limit]
+
+
 class DoorbellConsumer(_RedisConsumer):
     broker: DoorbellBroker
+    message_cache: list[dramatiq.MessageProxy]
 
     def __init__(
         self, broker: DoorbellBroker, queue_name: str, prefetch: int, idle_ms: int, ring: threading.Event
@@ -138,6 +232,17 @@ class DoorbellConsumer(_RedisConsumer):
         self.ring = ring
         self.idle_s = idle_ms / 1000
         self.delayed = queue_name.endswith(".DQ")
+        # The dead-letter set is the canonical queue's, as in dispatch.lua: `resolve.DQ` -> `resolve.XQ`.
+        self.canonical_queue = q_name(queue_name)
+        ns = broker.namespace
+        self._dead_letter_keys = [
+            f"{ns}:__acks__.{broker.broker_id}.{queue_name}",
+            f"{ns}:{queue_name}.msgs",
+            f"{ns}:{self.canonical_queue}.XQ",
+            f"{ns}:{self.canonical_queue}.XQ.msgs",
+            broker.keys.dead_letters(),
+        ]
+        self._dead_letter_script = broker.client.register_script(lua.source("dead_letter"))
 
     def ack(self, message: dramatiq.MessageProxy) -> None:
         try:
@@ -146,8 +251,11 @@ class DoorbellConsumer(_RedisConsumer):
             self.ring.set()  # capacity freed: fetch again now
 
     def nack(self, message: dramatiq.MessageProxy) -> None:
+        """dramatiq nacks a message for an actor it does not know (`ConsumerThread.handle_message`)
+        and one that failed for good (retries exhausted): either way, record why."""
         try:
             super().nack(message)  # type: ignore[no-untyped-call]
+            self._record_nack(message)
         finally:
             self.ring.set()
 
@@ -155,17 +263,17 @@ class DoorbellConsumer(_RedisConsumer):
         try:
             while True:
                 if self.message_cache:
-                    proxy = self._decode(self.message_cache.pop(0))
-                    if proxy is not None:
-                        return proxy
-                    continue
+                    proxy = self.message_cache.pop(0)
+                    self.misses = 0
+                    self.queued_message_ids.add(proxy.message_id)
+                    return proxy
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()
-                messages: list[bytes] = []
+                fetched: list[bytes | None] = []
                 if self.outstanding_message_count < self.prefetch:
-                    messages = self.broker.do_fetch(self.queue_name, self.prefetch - self.outstanding_message_count)
-                    self.message_cache = messages
-                if not messages:
+                    fetched = self.broker.do_fetch(self.queue_name, self.prefetch - self.outstanding_message_count)
+                    self.message_cache = self._admit(fetched)
+                if not fetched:
                     self.ring.wait(self._wait_s())
                     return None
         except redis.ConnectionError as e:
@@ -177,63 +285,58 @@ class DoorbellConsumer(_RedisConsumer):
             return 0.05
         return self.idle_s
 
-    def _decode(self, data: bytes | None) -> dramatiq.MessageProxy | None:
-        if data is None:
-            return None
-        try:
-            message = Message.decode(data)
-        except DecodeError:
-            self._drop_undecodable(data)
-            return None
-        self.misses = 0
-        self.queued_message_ids.add(message.message_id)
-        return dramatiq.MessageProxy(message)
+    def _admit(self, fetched: list[bytes | None]) -> list[dramatiq.MessageProxy]:
+        """The batch's messages; refused bodies and ids without a body are dead-lettered first, in
+        one script, so that nothing of them stays in the ack set (normal batches: no extra call)."""
+        admitted: list[dramatiq.MessageProxy] = []
+        refused: list[tuple[bytes, _Refused]] = []
+        for data in fetched:
+            if data is None:
+                continue
+            parsed = _parse_message(data, queue_name=self.queue_name, actors=self.broker.actors)
+            if isinstance(parsed, _Refused):
+                refused.append((data, parsed))
+            else:
+                admitted.append(dramatiq.MessageProxy(parsed))
+        missing = len(admitted) + len(refused) < len(fetched)
+        if refused or missing:
+            self._dead_letter(refused, sweep=missing)
+        return admitted
 
-    def _drop_undecodable(self, data: bytes) -> None:
-        """A poison message never crashes a consumer: dead-letter it when its id can be read."""
+    def _dead_letter(self, refused: list[tuple[bytes, _Refused]], *, sweep: bool) -> None:
+        args: list[bytes | str | int] = [now_ms(), self.canonical_queue, DEAD_LETTERS_MAXLEN, "1" if sweep else "0"]
+        for data, why in refused:
+            args += [data, why.reason, why.actor]
         try:
-            redis_id = json.loads(data)["options"]["redis_message_id"]
-        except (ValueError, KeyError, TypeError):
-            log.error("undecodable_message_dropped", queue=self.queue_name, size=len(data))
+            reply = self._dead_letter_script(keys=self._dead_letter_keys, args=args)
+        except redis.ResponseError as e:
+            # A script error must not cost the batch its good messages; the bad ones stay behind.
+            log.error("dead_letter_failed", queue=self.queue_name, error=type(e).__name__)
             return
-        self.broker.do_nack(self.queue_name, redis_id)
-        log.error("undecodable_message_dead_lettered", queue=self.queue_name, redis_message_id=redis_id)
+        entries = list(zip(reply[::2], reply[1::2], strict=True))
+        swept = len(entries) - len(refused)
+        sizes = [0] * swept + [len(data) for data, _ in refused]
+        for (redis_id, reason), size in zip(entries, sizes, strict=True):
+            log.error("message_dead_lettered", queue=self.queue_name, redis_message_id=_clip(redis_id) or None,
+                      size=size, reason=_clip(reason))
 
-
-class LogContext(Middleware):
-    """Binds turn_id, stage and attempt to every log line of a message (structlog contextvars
-    propagate into the actor's task on the event loop)."""
-
-    def before_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy) -> None:
-        structlog.contextvars.clear_contextvars()
-        fields: dict[str, Any] = {"stage": message.actor_name, "message_id": message.message_id}
-        arg = message.args[0] if message.args else None
-        if isinstance(arg, dict):
-            for name in ("turn_id", "attempt", "conversation_id"):
-                if name in arg:
-                    fields[name] = arg[name]
-        structlog.contextvars.bind_contextvars(**fields)
-
-    def after_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy, *,
-                              result: Any = None, exception: BaseException | None = None) -> None:
-        structlog.contextvars.clear_contextvars()
-
-    def after_skip_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy) -> None:
-        structlog.contextvars.clear_contextvars()
-
-
-def make_broker(settings: Settings, url: str, *, extra: list[Middleware] | None = None) -> DoorbellBroker:
-    middleware = [
-        AgeLimit(),
-        Retries(max_retries=5, min_backoff=200, max_backoff=10_000),
-        CurrentMessage(),
-        AsyncIO(),
-        LogContext(),
-        *(extra or []),
-    ]
-    broker = DoorbellBroker(settings=settings, url=url, middleware=middleware)
-    dramatiq.set_broker(broker)
-    return broker
+    def _record_nack(self, message: dramatiq.MessageProxy) -> None:
+        actor = _safe_name(message.actor_name)
+        exception = getattr(message, "_exception", None)
+        if message.actor_name not in self.broker.actors:
+            reason = f"unknown_actor: {actor}"
+        elif exception is None:
+            reason = "failed"
+        else:
+            reason = f"failed: {type(exception).__name__}"
+        redis_id = str(message.options.get("redis_message_id", ""))
+        entry = {"queue": self.canonical_queue, "message_id": redis_id, "actor": actor, "reason": reason}
+        try:
+            self.broker.client.xadd(self.broker.keys.dead_letters(), entry,  # type: ignore[arg-type]
+                                    maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
+        except redis.RedisError as e:
+            log.warning("dead_letter_record_failed", queue=self.queue_name, error=type(e).__name__)
+        log.error("message_dead_lettered", queue=self.queue_name, redis_message_id=_clip(redis_id), reason=reason)
 
 
 def now_ms() -> int:

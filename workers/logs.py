@@ -1,36 +1,147 @@
 """structlog setup: JSON in production, console in development; dramatiq's stdlib logs go through
-the same formatter. Context (turn_id, conversation_id, stage, attempt) is bound per message."""
+the same formatter. Context (turn_id, conversation_id, stage, attempt) is bound per message.
+
+Two rules hold for every line written: no credential (`redact`), and no user text at INFO or above.
+dramatiq renders a whole message, arguments included, into some of its lines ("Failed to process
+message resolve({...query...}) with unhandled exception."); `ContentFreeMessages` rewrites those."""
 
 from __future__ import annotations
 
 import logging
-import re
 import sys
-from collections.abc import MutableMapping
-from typing import Any
+import threading
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import IO, Any
 
+import dramatiq
 import structlog
+from threadline.pipeline.redact import MASK, MIN_SECRET_CHARS, is_secret_name, redact, redact_value
 
 from .settings import Settings
 
-_SECRET = re.compile(r"(?i)(api[_-]?key|authorization|password|secret|token)(['\"]?\s*[:=]\s*['\"]?)([^\s'\",}]+)")
+_ELIDED = "<message content elided>"
+#: Argument strings shorter than this are not scrubbed out of tracebacks: ids and names, not text.
+_MIN_SCRUBBED_CHARS = 8
+_SCRUBBED = "threadline_scrubbed_exc_text"
+
+_secrets_lock = threading.Lock()
+_secrets: tuple[str, ...] = ()
+
+
+def add_secret(value: str) -> None:
+    """Scrub `value` (an API key read from the environment, say) out of every log line from now on."""
+    global _secrets
+    with _secrets_lock:
+        if len(value) >= MIN_SECRET_CHARS and value not in _secrets:
+            _secrets = (*_secrets, value)
 
 
 def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """Logs never contain secrets: mask anything shaped like `api_key=...` in string values."""
+    """Logs never contain secrets: credentials in string values (the formatted traceback included)
+    are masked, and so is any value logged under a name like `api_key` or `token`."""
+    secrets = _secrets
     for key, value in event.items():
-        if isinstance(value, str) and _SECRET.search(value):
-            event[key] = _SECRET.sub(r"\1\2***", value)
+        if isinstance(value, str):
+            event[key] = MASK if is_secret_name(key) else redact(value, secrets)
+        elif isinstance(value, dict | list | tuple):
+            event[key] = redact_value(value, secrets)
+        elif value is not None and not isinstance(value, bool) and is_secret_name(key):
+            event[key] = MASK
     return event
 
 
-def configure_logging(settings: Settings) -> None:
+class _Label(str):
+    """Renders as itself under both `%s` and `%r`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class ContentFreeMessages(logging.Filter):
+    """At INFO and above, a dramatiq message in a record's arguments is rendered as
+    `resolve(message_id='…')` instead of with its arguments, other containers dramatiq passes are
+    elided, and the message's strings are scrubbed out of the record's traceback. DEBUG records
+    are left as they are: that level is for looking at what the messages hold.
+
+    Installed on the handler: a filter on the `dramatiq` logger would not see the records of its
+    children (`dramatiq.worker.WorkerThread`, ...), which are the ones that render messages."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.INFO or not record.args:
+            return True
+        from_dramatiq = record.name == "dramatiq" or record.name.startswith("dramatiq.")
+        if isinstance(record.args, Mapping):
+            record.args = {k: _content_free(v, from_dramatiq) for k, v in record.args.items()}
+            return True
+        messages = [a for a in record.args if isinstance(a, dramatiq.Message | dramatiq.MessageProxy)]
+        if messages or from_dramatiq:
+            record.args = tuple(_content_free(a, from_dramatiq) for a in record.args)
+        if messages and record.exc_info:
+            scrubbed = _scrub(logging.Formatter().formatException(record.exc_info), _texts_of(messages))
+            record.exc_text = scrubbed  # what stdlib formatters print instead of formatting exc_info
+            record.__dict__[_SCRUBBED] = scrubbed  # what `_scrubbed_traceback` hands structlog
+        return True
+
+
+def _content_free(arg: object, from_dramatiq: bool) -> object:
+    if isinstance(arg, dramatiq.Message | dramatiq.MessageProxy):
+        return _Label(f"{arg.actor_name}(message_id={arg.message_id!r})")
+    if from_dramatiq and isinstance(arg, tuple | list | dict):
+        return _Label(f"<{len(arg)} items elided>")
+    return arg
+
+
+def _texts_of(messages: Iterable[dramatiq.Message[Any] | dramatiq.MessageProxy]) -> list[str]:
+    """Every form in which a message's content can appear in a traceback, longest first."""
+    texts: set[str] = set()
+    for message in messages:
+        texts.update((str(message), repr(message)))
+        for leaf in _strings(message.args, message.kwargs):
+            if len(leaf) >= _MIN_SCRUBBED_CHARS:
+                texts.update((leaf, repr(leaf)[1:-1], leaf.encode("unicode_escape").decode()))
+    return sorted(texts, key=len, reverse=True)
+
+
+def _strings(*values: object) -> Iterable[str]:
+    for value in values:
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, Mapping):
+            yield from _strings(*value.keys(), *value.values())
+        elif isinstance(value, list | tuple):
+            yield from _strings(*value)
+
+
+def _scrub(text: str, texts: Iterable[str]) -> str:
+    for t in texts:
+        if t:
+            text = text.replace(t, _ELIDED)
+    return text
+
+
+def _scrubbed_traceback(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Render the traceback `ContentFreeMessages` scrubbed rather than the live exception."""
+    record = event.get("_record")
+    scrubbed = record.__dict__.get(_SCRUBBED) if isinstance(record, logging.LogRecord) else None
+    if scrubbed is not None:
+        event.pop("exc_info", None)
+        event["exception"] = scrubbed
+    return event
+
+
+def configure_logging(settings: Settings, *, stream: IO[str] | None = None) -> None:
+    """Route structlog and stdlib logging (dramatiq's included) through one handler on `stream`
+    (stderr by default) that redacts credentials and keeps message content out of INFO+ lines."""
+    for name, value in settings.secrets.items():
+        if is_secret_name(name):
+            add_secret(value)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        redact_secrets,
     ]
     renderer: Any = (
         structlog.processors.JSONRenderer()
@@ -43,13 +154,17 @@ def configure_logging(settings: Settings) -> None:
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler.addFilter(ContentFreeMessages())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=shared,
+            foreign_pre_chain=[*shared, _scrubbed_traceback],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                structlog.processors.format_exc_info if settings.log_format == "json" else _identity,
+                # Tracebacks are formatted here, in both formats, so that they are redacted too, and
+                # plainly: the console renderer's rich tracebacks would print every frame's locals.
+                structlog.processors.format_exc_info,
+                redact_secrets,
                 renderer,
             ],
         )
@@ -59,7 +174,3 @@ def configure_logging(settings: Settings) -> None:
     root.setLevel(settings.log_level)
     for noisy in ("httpx", "httpcore", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _identity(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    return event

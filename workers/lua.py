@@ -19,9 +19,12 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
-ScriptName = Literal["submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel"]
+ScriptName = Literal[
+    "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
+]
+#: The scripts of the turn state machine (the broker's `dead_letter` is registered by its consumers).
 SCRIPT_NAMES: tuple[ScriptName, ...] = (
-    "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel",
+    "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release",
 )
 
 

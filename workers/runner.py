@@ -19,6 +19,7 @@ from typing import Any
 import dramatiq
 import structlog
 from dramatiq.middleware import CurrentMessage
+from pydantic import ValidationError
 from pydantic_ai import CancellationToken
 from threadline.pipeline import events
 from threadline.pipeline.contracts import (
@@ -30,7 +31,7 @@ from threadline.pipeline.contracts import (
     parse_turn_request,
     valid_turn_id,
 )
-from threadline.pipeline.errors import ThreadlineError
+from threadline.pipeline.errors import InvalidRequest, ThreadlineError
 from threadline.pipeline.history import decode_messages
 from threadline.pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
 from threadline.pipeline.persist import final_row, new_conversation, pending_row
@@ -46,6 +47,9 @@ from .store import WAKE_ID, Accept, Begin, Finish, Next
 from .stream import TurnStream
 
 log = structlog.get_logger(__name__)
+
+#: What a runner gets instead of a message's argument when the message carried none or several.
+MALFORMED = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,17 @@ async def _stopped(rt: Runtime, begin: Begin, turn_id: str, stage: Stage) -> boo
     return True
 
 
+async def _envelope(rt: Runtime, stage: Stage, raw: object) -> Envelope | None:
+    """The stage message's envelope; a malformed one is dead-lettered at once, not retried."""
+    try:
+        return Envelope.model_validate(raw)
+    except ValidationError:
+        message = CurrentMessage.get_current_message()
+        await rt.store.dead_letter(stage.queue, message.message_id if message else "", stage.name, "invalid_envelope")
+        log.warning("message_refused", reason="invalid_envelope")
+        return None
+
+
 async def _start(rt: Runtime, stage: Stage, env: Envelope, *, claim: str = "") -> Started | None:
     t0 = time.perf_counter()
     started = events.StageEvent(turn_id=env.turn_id, stage=stage.name, status="started")
@@ -106,8 +121,7 @@ async def _hand_over(rt: Runtime, stage: Stage, s: Started, artifact: str,
 
 
 async def run_transform(rt: Runtime, stage: Stage, envelope: object) -> None:
-    env = Envelope.model_validate(envelope)
-    if (s := await _start(rt, stage, env)) is None:
+    if (env := await _envelope(rt, stage, envelope)) is None or (s := await _start(rt, stage, env)) is None:
         return
     assert stage.run is not None
     try:
@@ -124,7 +138,8 @@ async def run_transform(rt: Runtime, stage: Stage, envelope: object) -> None:
 
 
 async def run_model(rt: Runtime, stage: Stage, envelope: object) -> None:
-    env = Envelope.model_validate(envelope)
+    if (env := await _envelope(rt, stage, envelope)) is None:
+        return
     token = rt.registry.register(env.turn_id)  # before begin: a cancel from now on reaches the run
     try:
         if (s := await _start(rt, stage, env, claim=rt.worker_id)) is None:
@@ -133,7 +148,7 @@ async def run_model(rt: Runtime, stage: Stage, envelope: object) -> None:
             await _call_model(rt, stage, s, token)
         except Exception:
             # dramatiq retries this message: its next delivery must not find our claim and stand down
-            await rt.store.release_claim(env.turn_id)
+            await rt.store.release_claim(env.turn_id, rt.worker_id)
             raise
     finally:
         rt.registry.unregister(env.turn_id, token)
@@ -180,7 +195,8 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
     arg = Envelope(turn_id=turn_id, stage=stage.name, attempt=attempt + 1).model_dump()
     await rt.store.retry(turn_id, next_=Next(stage.name, arg, rt.new_id(), delay_ms=int(delay_s * 1000)),
                          now=rt.now(), now_ms=rt.now_ms(),
-                         event=events.Retrying(turn_id=turn_id, attempt=attempt + 1, reason=reason))
+                         event=events.Retrying(turn_id=turn_id, attempt=attempt + 1, reason=reason),
+                         claim=rt.worker_id)
     log.info("model_retry_scheduled", delay_s=delay_s, reason=reason)
 
 
@@ -188,8 +204,7 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
 
 
 async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
-    env = Envelope.model_validate(envelope)
-    if (s := await _start(rt, stage, env)) is None:
+    if (env := await _envelope(rt, stage, envelope)) is None or (s := await _start(rt, stage, env)) is None:
         return
     turn = s.turn
     outcome = InvokeOutcome.model_validate_json(s.begin.previous)
@@ -225,11 +240,13 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         return
     structlog.contextvars.bind_contextvars(turn_id=turn_id)
     try:
+        if request is MALFORMED:
+            raise InvalidRequest("a turn message carries exactly one argument: the turn request")
         req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=rt.settings.max_query_chars)
     except ThreadlineError as e:
         # a producer may have put the turn in its conversation's line: take it out again
         await rt.end_turn(turn_id, "failed", code=e.code, message=e.message,
-                          conversation_id=extract_conversation_id(request))
+                          conversation_id=extract_conversation_id(request) or new_conversation_id(turn_id))
         return
     cid = req.conversation_id or new_conversation_id(turn_id)
     structlog.contextvars.bind_contextvars(conversation_id=cid)

@@ -26,6 +26,7 @@ from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.stages import StageGraph
 
 from .control import CancelRegistry
+from .logs import add_secret
 from .models import build_model, build_tools, model_secrets
 from .settings import Settings
 from .store import Finish, Store
@@ -56,7 +57,11 @@ class Runtime:
             return agent
 
     def secrets(self, spec: ModelSpec) -> list[str]:
-        return model_secrets(spec, self.settings.secrets)
+        """The key values a model uses: scrubbed from its error messages and from every log line."""
+        values = model_secrets(spec, self.settings.secrets)
+        for value in values:
+            add_secret(value)
+        return values
 
     @staticmethod
     def now() -> float:

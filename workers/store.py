@@ -23,10 +23,18 @@ from .keys import Keys
 from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
 from .settings import Settings
 
-BeginStatus = Literal["go", "done", "terminal", "cancelled", "timed_out", "duplicate"]
+BeginStatus = Literal["go", "unknown", "done", "terminal", "cancelled", "timed_out", "duplicate"]
 Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled"]
 #: The placeholder for the id of the message that wakes a waiting turn (finish.lua fills it in).
 WAKE_ID = "@@WAKE_ID@@"
+
+
+def with_message_id(message: str, message_id: str) -> str:
+    """A kept request with its id fields set, as `with_message_id` in prelude.lua does: only the two
+    quoted id fields match (a quote inside the request's text is escaped)."""
+    for field in ("redis_message_id", "message_id"):
+        message = message.replace(f'"{field}":"{WAKE_ID}"', f'"{field}":"{message_id}"')
+    return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +116,8 @@ class Store:
             "admit",
             [k.turn(turn_id), k.cancel_flag(turn_id), k.running(), k.turn_queue(conversation_id),
              k.lease(conversation_id), k.waiting(conversation_id)],
-            lua.payload(turn_id=turn_id, conversation_id=conversation_id, now=now, ttl_s=self.settings.turn_ttl_s,
-                            done=f"done:{self.graph.first.name}"),
+            lua.payload(turn_id=turn_id, conversation_id=conversation_id, now=now,
+                        done=f"done:{self.graph.first.name}"),
             request,
         )
         status = cast(Admission, text(reply[0]))
@@ -166,8 +174,10 @@ class Store:
         )
         return text(reply)
 
-    async def retry(self, turn_id: str, *, next_: Next, now: float, now_ms: int, event: events.Retrying) -> str:
-        """Schedule the next attempt of a stage (a delayed message), announced by `event`."""
+    async def retry(self, turn_id: str, *, next_: Next, now: float, now_ms: int, event: events.Retrying,
+                    claim: str) -> str:
+        """Schedule the next attempt of a stage (a delayed message), announced by `event`; "stale"
+        when another worker holds the model claim now."""
         k = self.keys
         queue, message_id, data = self._message(next_, now_ms)
         reply = await self._run(
@@ -175,7 +185,7 @@ class Store:
             [k.turn(turn_id), k.events(turn_id), k.model_claim(turn_id), k.running(), k.queue_messages(queue),
              k.queue(queue)],
             lua.payload(turn_id=turn_id, now=now, message_id=message_id, queue=queue,
-                            channel=k.doorbell_channel(), event=events.encode(event)),
+                            channel=k.doorbell_channel(), event=events.encode(event), claim=claim),
             data,
         )
         return text(reply)
@@ -245,9 +255,10 @@ class Store:
         await self.redis.xadd(self.keys.dead_letters(), {"queue": queue, "message_id": message_id, "actor": actor,
                                                          "reason": reason}, maxlen=10_000, approximate=True)
 
-    async def release_claim(self, turn_id: str) -> None:
-        """Let a retried delivery of this model call run at once instead of waiting out the claim."""
-        await self.redis.delete(self.keys.model_claim(turn_id))
+    async def release_claim(self, turn_id: str, claim: str) -> None:
+        """Let a retried delivery of this model call run at once instead of waiting out the claim,
+        if `claim` still holds it."""
+        await self._run("release", [self.keys.model_claim(turn_id)], claim)
 
     async def refresh_claim(self, turn_id: str) -> None:
         await self.redis.pexpire(self.keys.model_claim(turn_id), int(self.settings.invoke_lease_s * 1000))

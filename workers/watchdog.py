@@ -20,7 +20,7 @@ from threadline.pipeline.contracts import Envelope
 
 from .runtime import Runtime
 from .schema import text
-from .store import WAKE_ID
+from .store import with_message_id
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +57,7 @@ class Watchdog:
             if stage == rt.graph.first.name:
                 if not request:
                     continue
-                await store.enqueue(rt.graph.first.queue, message_id, request.replace(WAKE_ID, message_id).encode())
+                await store.enqueue(rt.graph.first.queue, message_id, with_message_id(request, message_id).encode())
             else:
                 arg = Envelope(turn_id=turn_id, stage=stage, attempt=attempt).model_dump()
                 await store.enqueue_stage(stage, arg, message_id=message_id, now_ms=rt.now_ms())

@@ -7,11 +7,12 @@
 --               claim_ttl_ms, started (event, or ""), redelivered (event)}; both events come
 --               without seq and attempt: a claim decides the attempt.
 -- Returns {'go', attempt, admit artifact, previous artifact, conversation id, fence, deadline}
---       | {'terminal', status} | {'done'} | {'cancelled'} | {'timed_out'} | {'duplicate'}
+--       | {'unknown'} | {'terminal', status} | {'done'} | {'cancelled'} | {'timed_out'} | {'duplicate'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
 local status = redis.call('HGET', turn, 'status')
-if status and TERMINAL[status] then return {'terminal', status} end
+if not status then return {'unknown'} end  -- no such turn (or its record expired): nothing to run
+if TERMINAL[status] then return {'terminal', status} end
 if redis.call('HEXISTS', turn, 'done:' .. a.stage) == 1 then return {'done'} end
 local deadline = redis.call('HGET', turn, 'deadline_at')
 if a.interrupts then

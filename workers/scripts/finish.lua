@@ -8,7 +8,7 @@
 -- ARGV[1] JSON {turn_id, status, conversation_id ("" = none), message_id ("" = not accepted),
 --               fence, now, ttl_s, usage {name: count}, pending (JSON text), channel,
 --               admit_queue, events: [event..., the terminal event last]}
--- ARGV[2] the message row   ARGV[3] the snapshot ("" = keep the stored history as it is)
+-- ARGV[2] the message row   ARGV[3] the snapshot ("" = keep what is stored as it is)
 -- Returns {'ok'} | {'already', status} | {'stale'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
@@ -42,7 +42,7 @@ if a.conversation_id ~= '' then
       local request = redis.call('HGET', KEYS[11], head)
       if request then
         local id = 'wake.' .. head .. '.' .. a.turn_id
-        enqueue(KEYS[13], KEYS[14], id, (string.gsub(request, '@@WAKE_ID@@', id)), a.channel, a.admit_queue)
+        enqueue(KEYS[13], KEYS[14], id, with_message_id(request, id), a.channel, a.admit_queue)
       end
     elseif redis.call('EXISTS', KEYS[6]) == 0 then
       redis.call('DEL', KEYS[9])  -- no conversation and nobody waiting: leave nothing behind

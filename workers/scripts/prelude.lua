@@ -23,3 +23,12 @@ local function now_us()
   local t = redis.call('TIME')
   return t[1] .. string.format('%06d', tonumber(t[2]))
 end
+
+-- A kept request (a dramatiq message whose ids are the placeholder @@WAKE_ID@@) with its ids set.
+-- Only the two id fields match: inside the request's text a quote is escaped (\"), so the quoted
+-- patterns below cannot occur there.
+local function with_message_id(message, id)
+  message = string.gsub(message, '"redis_message_id":"@@WAKE_ID@@"', '"redis_message_id":"' .. id .. '"')
+  message = string.gsub(message, '"message_id":"@@WAKE_ID@@"', '"message_id":"' .. id .. '"')
+  return message
+end

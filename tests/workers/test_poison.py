@@ -1,0 +1,188 @@
+"""Hostile input on a queue: each poison message is dead-lettered with a stable reason, leaves nothing
+behind in the queue's hash or any ack set, and the normal turns fetched in the same batch finish.
+
+Every case is written with raw Redis commands, as the README's raw-producer section does, in one
+MULTI together with five normal turns, so that the bad message and the good ones share a fetch."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.client import Client
+
+from tests.conftest import WorkerPool, turn
+
+pytestmark = pytest.mark.integration
+
+#: Text no log line may carry: it stands for user text inside a bad message.
+SENTINEL = "POISON-USER-TEXT-5c1e"
+NORMAL_TURNS = 5
+
+
+@dataclass
+class Env:
+    pool: WorkerPool
+    client: Client
+    redis: redis.Redis
+    agent: str
+
+    @property
+    def ns(self) -> str:
+        return f"{self.pool.prefix}:q"
+
+
+@pytest.fixture(scope="module")
+def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One worker process on a prefix of its own for the whole module (what `isolated` gives one
+    test). Four threads: the resolve consumer prefetches 8, so a case's six messages are one fetch."""
+    prefix = f"tli{uuid.uuid4().hex[:8]}"
+    pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs")).start(processes=1, threads=4)
+    client = Client(redis_url, prefix=prefix)
+    agent = f"agent-{uuid.uuid4().hex[:10]}"
+    client.put_agent(AgentConfig.model_validate({"id": agent, "model": "offline:echo"}))
+    r = redis.Redis.from_url(redis_url)
+    try:
+        yield Env(pool, client, r, agent)
+    finally:
+        pool.stop()
+        client.close()
+        for key in r.scan_iter(f"{prefix}:*", count=1000):
+            r.delete(key)
+        r.close()
+
+
+def message(mid: str, actor: str = "resolve", **fields: Any) -> dict[str, Any]:
+    """A dramatiq message on the resolve queue, as the README's raw producer writes it."""
+    return {
+        "queue_name": "resolve", "actor_name": actor, "args": [], "kwargs": {},
+        "options": {"redis_message_id": mid}, "message_id": mid, "message_timestamp": int(time.time() * 1000),
+        **fields,
+    }
+
+
+def encode(fields: dict[str, Any]) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def too_deep(mid: str, agent: str) -> bytes:
+    depth = 100_000
+    head = encode(message(mid)).replace(b'"args": []', b'"args": [' + b"[" * depth + json.dumps(SENTINEL).encode())
+    return head.replace(b'"kwargs"', b"]" * depth + b'], "kwargs"', 1)
+
+
+def invalid_json(mid: str, agent: str) -> bytes:
+    return encode(message(mid, args=[turn(agent, SENTINEL, turn_id=mid)]))[:-1] + b", oops"
+
+
+def json_array(mid: str, agent: str) -> bytes:
+    return json.dumps([message(mid, args=[turn(agent, SENTINEL, turn_id=mid)])]).encode()
+
+
+def args_not_a_list(mid: str, agent: str) -> bytes:
+    return encode(message(mid, args={"0": turn(agent, SENTINEL, turn_id=mid)}))
+
+
+def wrong_queue_name(mid: str, agent: str) -> bytes:
+    # dramatiq would hand it to the consumer of "elsewhere" when done: a KeyError in a worker thread
+    return encode(message(mid, queue_name="elsewhere", args=[turn(agent, SENTINEL, turn_id=mid)]))
+
+
+def no_redis_message_id(mid: str, agent: str) -> bytes:
+    # dramatiq acks by this id: without it the message would stay in the hash and the ack set
+    return encode(message(mid, options={}, args=[turn(agent, SENTINEL, turn_id=mid)]))
+
+
+def unknown_actor(mid: str, agent: str) -> bytes:
+    return encode(message(mid, actor="no_such_actor", args=[turn(agent, SENTINEL, turn_id=mid)]))
+
+
+Case = Callable[[str, str], bytes | None]
+
+CASES: dict[str, tuple[Case, str]] = {
+    "nested_100000_deep": (too_deep, "too_deep"),
+    "invalid_json": (invalid_json, "undecodable: JSONDecodeError"),
+    "json_array": (json_array, "malformed: not_an_object"),
+    "args_not_a_list": (args_not_a_list, "malformed: args"),
+    "wrong_queue_name": (wrong_queue_name, "malformed: queue_name"),
+    "no_redis_message_id": (no_redis_message_id, "malformed: options.redis_message_id"),
+    "id_without_body": (lambda mid, agent: None, "missing_body"),
+    "unknown_actor": (unknown_actor, "unknown_actor: no_such_actor"),
+}
+
+
+def send_with_normal_turns(env: Env, bad_id: str, body: bytes | None) -> list[str]:
+    """The bad message first, then five normal turns, in one MULTI; then the doorbell."""
+    ns, r = env.ns, env.redis
+    pipe = r.pipeline(transaction=True)
+    if body is not None:
+        pipe.hset(f"{ns}:resolve.msgs", bad_id, body)
+    pipe.rpush(f"{ns}:resolve", bad_id)
+    turn_ids = []
+    for i in range(NORMAL_TURNS):
+        mid = f"ok-{uuid.uuid4().hex[:12]}"
+        request = {"schema": "threadline.turn/v1", "turn_id": mid, **turn(env.agent, f"normal {i}")}
+        pipe.hset(f"{ns}:resolve.msgs", mid, encode(message(mid, args=[request])))
+        pipe.rpush(f"{ns}:resolve", mid)
+        turn_ids.append(mid)
+    pipe.execute()
+    r.publish(f"{env.pool.prefix}:doorbell", "resolve")
+    return turn_ids
+
+
+def dead_letters(env: Env, redis_id: str) -> list[dict[str, str]]:
+    entries = env.redis.xrange(f"{env.pool.prefix}:deadletters")
+    rows = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
+    return [row for row in rows if row["message_id"] == redis_id]
+
+
+def leftovers(env: Env, redis_id: str) -> list[str]:
+    """Where anything of `redis_id` (or of any resolve message) is still held."""
+    ns, r = env.ns, env.redis
+    found = []
+    if r.hlen(f"{ns}:resolve.msgs"):
+        found.append(f"resolve.msgs holds {r.hkeys(f'{ns}:resolve.msgs')}")
+    if redis_id.encode() in r.lrange(f"{ns}:resolve", 0, -1):
+        found.append("resolve list")
+    for key in r.scan_iter(f"{ns}:__acks__.*", count=1000):
+        if key.decode().endswith(".resolve") and r.scard(key):
+            found.append(f"{key.decode()} holds {r.smembers(key)}")
+    return found
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_poison_message_is_dead_lettered_and_its_batch_finishes(env: Env, case: str) -> None:
+    build, reason = CASES[case]
+    bad_id = f"bad-{case}-{uuid.uuid4().hex[:8]}"
+    body = build(bad_id, env.agent)
+    turn_ids = send_with_normal_turns(env, bad_id, body)
+
+    for turn_id in turn_ids:
+        terminal = env.client.wait(turn_id, timeout_s=10)
+        assert terminal.type == "succeeded", terminal
+    assert env.pool.alive(), env.pool.log_tail()
+
+    entries = wait_until(lambda: dead_letters(env, bad_id))
+    assert entries == [{"queue": "resolve", "message_id": bad_id, "actor": entries[0]["actor"], "reason": reason}]
+    wait_until(lambda: not leftovers(env, bad_id))
+    assert leftovers(env, bad_id) == []
+    if body is not None:  # dramatiq's own dead-letter set keeps the body
+        assert env.redis.hget(f"{env.ns}:resolve.XQ.msgs", bad_id) == body
+        assert env.redis.zscore(f"{env.ns}:resolve.XQ", bad_id) is not None
+    assert SENTINEL not in env.pool.log_path.read_text()

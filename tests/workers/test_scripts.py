@@ -1,0 +1,946 @@
+"""Each Lua script of the turn state machine, branch by branch, through its typed `Store` method on a
+real server (embedded Valkey, or REDIS_URL). No worker processes: a test drives a turn the way the
+runners do (admit → begin → advance(accept) → begin/advance … → begin(claim) → finish) and asserts
+on the stored keys and the turn's event stream. Every test has a key prefix of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from threadline.pipeline import events
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.contracts import TURN_SCHEMA, Envelope, TurnRequest, Usage, new_conversation_id
+from threadline.pipeline.persist import final_row, new_conversation, pending_row
+from threadline.pipeline.records import ResolvedTurn
+from threadline.pipeline.resolve import resolve_turn
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers import lua
+from threadline.workers.broker import build_message
+from threadline.workers.client import Client
+from threadline.workers.schema import conversation_to_hash
+from threadline.workers.settings import Settings
+from threadline.workers.store import WAKE_ID, Accept, Begin, Finish, Next, Store
+
+from tests.support.dump import dump
+
+SCRIPTS = Path(lua.__file__).parent / "scripts"
+AGENT = AgentConfig.model_validate({"id": "agent-1", "model": "offline:echo"})
+STAGES = DEFAULT_GRAPH.names
+FIRST, SECOND, THIRD = STAGES[0], STAGES[1], STAGES[2]
+MODEL = DEFAULT_GRAPH.of_kind("model")[0].name
+LAST = STAGES[-1]
+
+
+# --- fixtures and a turn driver ---------------------------------------------------------------------
+
+
+@pytest.fixture
+async def store(redis_url: str) -> AsyncIterator[Store]:
+    """A store on a key prefix of its own, every key under it removed afterwards."""
+    prefix = f"tls{uuid.uuid4().hex[:8]}"
+    settings = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url)
+    s = Store(aioredis.Redis.from_url(redis_url), settings, DEFAULT_GRAPH)
+    yield s
+    async for key in s.redis.scan_iter(f"{prefix}:*", count=1000):
+        await s.redis.delete(key)
+    await s.close()
+
+
+def new_id(kind: str = "t") -> str:
+    return f"{kind}-{uuid.uuid4().hex[:12]}"
+
+
+def make_request(*, conversation_id: str | None = None, query: str = "hello", deadline_s: float | None = None,
+                 turn_id: str | None = None) -> TurnRequest:
+    return TurnRequest.model_validate({
+        "schema": TURN_SCHEMA, "turn_id": turn_id or new_id(), "tenant_id": "t1", "app_id": "app", "user_id": "u1",
+        "agent_id": AGENT.id, "conversation_id": conversation_id, "query": query, "deadline_s": deadline_s,
+    })
+
+
+class Turn:
+    """One turn, driven through the store as the runners drive it."""
+
+    def __init__(self, store: Store, req: TurnRequest, resolved: ResolvedTurn) -> None:
+        self.store, self.req, self.resolved = store, req, resolved
+        self.id = req.turn_id
+        self.cid = resolved.conversation_id
+        self.fence = ""
+        # the request as admit keeps it: a dramatiq message whose id is the wake placeholder
+        _, _, self.request = build_message(FIRST, FIRST, (req.model_dump(mode="json", by_alias=True),),
+                                           message_id=WAKE_ID, now_ms=int(time.time() * 1000))
+
+    async def admit(self) -> tuple[str, str]:
+        status, detail = await self.store.admit(self.id, self.cid, now=time.time(), request=self.request)
+        if status == "admitted":
+            self.fence = detail
+        return status, detail
+
+    async def begin(self, stage: str, *, claim: str = "", interrupts: bool = True, now: float | None = None,
+                    attempt_hint: int = 1) -> Begin:
+        started = None if stage == FIRST else events.StageEvent(turn_id=self.id, stage=stage, status="started")
+        return await self.store.begin(self.id, stage, now=time.time() if now is None else now,
+                                      interrupts=interrupts, claim=claim, started=started,
+                                      attempt_hint=attempt_hint)
+
+    async def advance(self, stage: str, *, artifact: str | None = None, fence: str | None = None,
+                      accept: bool = False, next_id: str | None = None, attempt: int = 1) -> str:
+        following = DEFAULT_GRAPH.next(stage)
+        assert following is not None
+        finished = events.StageEvent(turn_id=self.id, attempt=attempt, stage=stage, status="finished", ms=1.0)
+        events_: list[events.Event] = [finished]
+        accepted = None
+        if accept:
+            events_ = [events.Accepted(turn_id=self.id, conversation_id=self.cid, message_id=self.resolved.message_id,
+                                       parent_message_id=self.resolved.parent_message_id,
+                                       config_version=self.resolved.config_ref),
+                       events.StageEvent(turn_id=self.id, stage=stage, status="started"), finished]
+            accepted = Accept(new_conversation(self.resolved), pending_row(self.resolved),
+                              self.resolved.accepted_at + self.resolved.deadline_s)
+        arg = Envelope(turn_id=self.id, stage=following.name, attempt=attempt).model_dump()
+        return await self.store.advance(
+            self.id, stage, next_=Next(following.name, arg, next_id or new_id("m")), now=time.time(),
+            now_ms=int(time.time() * 1000),
+            artifact=self.resolved.model_dump_json() if artifact is None else artifact, events_=events_,
+            fence=self.fence if fence is None else fence, conversation_id=self.cid, accept=accepted)
+
+    async def accept(self) -> None:
+        """Through the admit stage: admitted, begun, accepted (the conversation and the row exist)."""
+        assert (await self.admit())[0] == "admitted"
+        assert (await self.begin(FIRST)).status == "go"
+        assert await self.advance(FIRST, accept=True) == "ok"
+
+    async def run_to(self, stage: str) -> None:
+        """Accepted, and every stage before `stage` done (the model stage with its claim kept)."""
+        await self.accept()
+        for name in STAGES[1:STAGES.index(stage)]:
+            assert (await self.begin(name, claim="w1" if name == MODEL else "")).status == "go"
+            assert await self.advance(name, artifact=f"<{name}>") == "ok"
+
+    async def finish(self, status: events.TerminalType = "succeeded", *, snapshot: str | None = "SNAP",
+                     fence: str | None = None, usage: Usage | None = None) -> str:
+        """The finish stage's write, as `run_finish` makes it."""
+        usage = usage or Usage(input_tokens=11, output_tokens=7, requests=1)
+        row = final_row(self.resolved, status=status, now=time.time(), answer="the answer", usage=usage,
+                        code=None if status in ("succeeded", "paused") else "model_error")
+        terminal = events.terminal(self.id, 1, status, answer="the answer", usage=usage,
+                                   code=None if status in ("succeeded", "paused") else "model_error",
+                                   conversation_id=self.cid, message_id=self.resolved.message_id)
+        finished = events.StageEvent(turn_id=self.id, stage=LAST, status="finished", ms=1.0)
+        return await self.store.finish(
+            Finish(turn_id=self.id, event=terminal, conversation_id=self.cid, message=row, snapshot=snapshot,
+                   fence=self.fence if fence is None else fence, tenant_id=self.resolved.tenant_id,
+                   before=[finished]),
+            now=time.time())
+
+    async def end(self, status: events.TerminalType = "failed", *, code: str = "agent_not_found") -> str:
+        """An early ending, as `Runtime.end_turn` writes it: the row only when the turn was accepted
+        (and then the fence is checked), never a snapshot."""
+        state = await self.store.turn_state(self.id)
+        accepted = bool(state.message_id)
+        terminal = events.terminal(self.id, state.attempt, status, code=code, message="ended early",
+                                   conversation_id=self.cid if accepted else None,
+                                   message_id=self.resolved.message_id if accepted else None)
+        row = final_row(self.resolved, status=status, now=time.time(), code=code) if accepted else None
+        return await self.store.finish(
+            Finish(turn_id=self.id, event=terminal, conversation_id=state.conversation_id or self.cid, message=row,
+                   fence=state.fence, tenant_id=self.resolved.tenant_id if accepted else ""), now=time.time())
+
+
+async def make_turn(store: Store, *, conversation_id: str | None = None, query: str = "hello",
+                    deadline_s: float | None = None, accepted_at: float | None = None,
+                    turn_id: str | None = None) -> Turn:
+    """A turn resolved as the admit stage resolves it (against the conversation when it exists)."""
+    req = make_request(conversation_id=conversation_id, query=query, deadline_s=deadline_s, turn_id=turn_id)
+    cid = conversation_id or new_conversation_id(req.turn_id)
+    conversation = await store.find_conversation(cid)
+    resolved, _ = resolve_turn(req, conversation=conversation, config=AGENT, config_ref="v1",
+                               new_conversation_id=cid, now=time.time() if accepted_at is None else accepted_at)
+    return Turn(store, req, resolved)
+
+
+# --- reading back -----------------------------------------------------------------------------------
+
+
+async def stream(store: Store, turn_id: str) -> list[events.Event]:
+    return [events.decode(fields[b"json"]) for _, fields in await store.redis.xrange(store.keys.events(turn_id))]
+
+
+async def hash_of(store: Store, key: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in (await store.redis.hgetall(key)).items()}
+
+
+async def members(store: Store, key: str) -> list[str]:
+    return [m.decode() for m in await store.redis.zrange(key, 0, -1)]
+
+
+async def conversation_keys(store: Store, cid: str) -> list[str]:
+    return [k.decode() async for k in store.redis.scan_iter(f"{store.keys.conversation(cid)}*")]
+
+
+def assert_gapless(seen: list[events.Event]) -> None:
+    assert [e.seq for e in seen] == list(range(1, len(seen) + 1))
+
+
+def terminals(seen: list[events.Event]) -> list[events.Event]:
+    return [e for e in seen if events.is_terminal(e)]
+
+
+@contextlib.asynccontextmanager
+async def listening(store: Store, channel: str) -> AsyncIterator[PubSub]:
+    pubsub = store.redis.pubsub()
+    await pubsub.subscribe(channel)
+    for _ in range(50):  # the confirmation comes first
+        if (m := await pubsub.get_message(timeout=0.1)) is not None and m["type"] == "subscribe":
+            break
+    else:
+        raise TimeoutError(f"not subscribed to {channel}")
+    try:
+        yield pubsub
+    finally:
+        await pubsub.unsubscribe()
+        await pubsub.aclose()
+
+
+async def published(pubsub: PubSub, wait_s: float = 0.3) -> list[str]:
+    """What was published on the subscribed channel so far (waits `wait_s` for the last one)."""
+    seen: list[str] = []
+    while (m := await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait_s)) is not None:
+        seen.append(m["data"].decode())
+    return seen
+
+
+async def queued(store: Store, queue: str) -> tuple[list[bytes], dict[bytes, bytes]]:
+    """A queue's list of message ids and its messages."""
+    prefix = store.settings.prefix
+    return (await store.redis.lrange(f"{prefix}:q:{queue}", 0, -1),
+            await store.redis.hgetall(f"{prefix}:q:{queue}.msgs"))
+
+
+def decode_message(raw: bytes) -> dict[str, Any]:
+    return json.loads(raw)
+
+
+# --- admit ------------------------------------------------------------------------------------------
+
+
+async def test_admit_first_run_takes_the_lease_with_fence_1(store: Store) -> None:
+    t = await make_turn(store)
+    k = store.keys
+    assert await t.admit() == ("admitted", "1")
+    turn = await hash_of(store, k.turn(t.id))
+    assert turn["status"] == "running" and turn["fence"] == "1" and turn["conversation_id"] == t.cid
+    assert await store.redis.ttl(k.turn(t.id)) == -1  # a live turn's record never expires
+    assert await hash_of(store, k.lease(t.cid)) == {"turn": t.id, "fence": "1"}
+    assert await members(store, k.turn_queue(t.cid)) == [t.id]
+    assert await store.redis.hget(k.waiting(t.cid), t.id) == t.request
+    assert await store.redis.zscore(k.running(), t.id) is not None
+    # admission is not acceptance: nothing of the conversation itself yet
+    assert not await store.redis.exists(k.conversation(t.cid), k.messages(t.cid), k.message_order(t.cid))
+
+
+async def test_admit_of_the_same_turn_again_keeps_its_fence(store: Store) -> None:
+    t = await make_turn(store)
+    assert await t.admit() == ("admitted", "1")
+    assert await t.admit() == ("admitted", "1")
+    assert await hash_of(store, store.keys.lease(t.cid)) == {"turn": t.id, "fence": "1"}
+    assert await members(store, store.keys.turn_queue(t.cid)) == [t.id]
+
+
+async def test_admit_of_a_second_turn_while_the_first_holds_the_lease_waits(store: Store) -> None:
+    first = await make_turn(store)
+    await first.accept()
+    second = await make_turn(store, conversation_id=first.cid)
+    k = store.keys
+    assert await second.admit() == ("waiting", first.id)
+    assert (await store.turn_state(second.id)).status == "waiting"
+    assert (await store.turn_state(second.id)).fence == ""
+    assert await store.redis.hget(k.waiting(first.cid), second.id) == second.request
+    assert await members(store, k.turn_queue(first.cid)) == [first.id, second.id]
+    assert await hash_of(store, k.lease(first.cid)) == {"turn": first.id, "fence": "1"}
+    assert await store.redis.zscore(k.running(), second.id) is None
+    # asked again (a redelivery), it still waits
+    assert await second.admit() == ("waiting", first.id)
+
+
+async def test_admit_of_a_cancelled_turn_writes_nothing_of_its_conversation(store: Store) -> None:
+    t = await make_turn(store)
+    assert (await store.cancel(t.id, "stop", now=time.time()))[0] == "signalled"
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.admit() == ("cancelled", "")
+    assert await dump(store.redis, store.settings.prefix) == before
+    assert await conversation_keys(store, t.cid) == []
+    assert (await store.turn_state(t.id)).status == ""
+
+
+async def test_admit_of_a_terminal_turn_is_refused(store: Store) -> None:
+    t = await make_turn(store)
+    assert await t.admit() == ("admitted", "1")
+    assert await t.end("failed") == "ok"
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.admit() == ("terminal", "failed")
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_a_live_turn_record_outlives_its_deadline(store: Store) -> None:
+    store.settings = dataclasses.replace(store.settings, turn_ttl_s=60)
+    t = await make_turn(store, deadline_s=3_600)  # allowed: deadlines go up to 86,400 s
+    await t.run_to(MODEL)
+    ttl = await store.redis.ttl(store.keys.turn(t.id))
+    assert ttl == -1 or ttl >= t.resolved.accepted_at + t.resolved.deadline_s - time.time()
+
+
+async def test_admit_after_the_admit_stage_ran_is_done(store: Store) -> None:
+    t = await make_turn(store)
+    await t.accept()
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.admit() == ("done", "")
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+# --- begin ------------------------------------------------------------------------------------------
+
+
+async def test_begin_of_the_first_stage_goes_with_the_turn_state(store: Store) -> None:
+    t = await make_turn(store)
+    await t.admit()
+    b = await t.begin(FIRST)
+    # nothing stored yet: the admit stage writes the first artifact
+    assert b == Begin(status="go", attempt=1, admitted="", previous="", conversation_id=t.cid, fence="1",
+                      deadline_at=None)
+    assert (await store.turn_state(t.id)).stage == FIRST
+    assert await stream(store, t.id) == []  # the admit stage announces itself when it accepts
+
+
+async def test_begin_goes_with_the_artifacts_and_announces_the_start(store: Store) -> None:
+    t = await make_turn(store)
+    await t.accept()
+    resolved = t.resolved.model_dump_json()
+    b = await t.begin(SECOND)
+    assert b == Begin(status="go", attempt=1, admitted=resolved, previous=resolved, conversation_id=t.cid,
+                      fence="1", deadline_at=t.resolved.accepted_at + t.resolved.deadline_s)
+    assert await t.advance(SECOND, artifact="<second>") == "ok"
+    b = await t.begin(THIRD)
+    assert (b.status, b.admitted, b.previous) == ("go", resolved, "<second>")
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    starts = [e for e in seen if isinstance(e, events.StageEvent) and e.status == "started"]
+    assert [(e.stage, e.attempt) for e in starts] == [(FIRST, 1), (SECOND, 1), (THIRD, 1)]
+    assert (await store.turn_state(t.id)).stage == THIRD
+
+
+async def test_begin_of_a_stage_already_done_is_done(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(THIRD)
+    before = await dump(store.redis, store.settings.prefix)
+    assert (await t.begin(SECOND)).status == "done"
+    assert (await t.begin(FIRST)).status == "done"
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_begin_of_a_terminal_turn_is_terminal(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    assert await t.finish("succeeded") == "ok"
+    before = await dump(store.redis, store.settings.prefix)
+    for stage in (SECOND, MODEL, LAST):
+        b = await t.begin(stage, claim="w2" if stage == MODEL else "")
+        assert (b.status, b.terminal_status) == ("terminal", "succeeded")
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_begin_refuses_a_cancelled_turn_only_when_it_interrupts(store: Store) -> None:
+    t = await make_turn(store)
+    await t.accept()
+    await store.cancel(t.id, "stop", now=time.time())
+    before = await dump(store.redis, store.settings.prefix)
+    assert (await t.begin(SECOND)).status == "cancelled"
+    assert (await t.begin(MODEL, claim="w1")).status == "cancelled"
+    assert await dump(store.redis, store.settings.prefix) == before  # no claim taken, no event
+    assert (await t.begin(SECOND, interrupts=False)).status == "go"
+
+
+async def test_begin_past_the_deadline_times_out_only_when_it_interrupts(store: Store) -> None:
+    t = await make_turn(store, deadline_s=5, accepted_at=time.time() - 60)
+    await t.accept()
+    before = await dump(store.redis, store.settings.prefix)
+    assert (await t.begin(SECOND)).status == "timed_out"
+    assert await dump(store.redis, store.settings.prefix) == before
+    assert (await t.begin(SECOND, now=t.resolved.accepted_at + 4)).status == "go"
+    assert (await t.begin(LAST, interrupts=False)).status == "go"
+
+
+async def test_begin_with_the_model_claim_held_is_a_duplicate(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    k = store.keys
+    b = await t.begin(MODEL, claim="w1")
+    assert (b.status, b.attempt, b.previous) == ("go", 1, f"<{THIRD}>")
+    assert await store.redis.get(k.model_claim(t.id)) == b"w1"
+    assert 0 < await store.redis.pttl(k.model_claim(t.id)) <= store.settings.invoke_lease_s * 1000
+    before = await dump(store.redis, store.settings.prefix)
+    assert (await t.begin(MODEL, claim="w2")).status == "duplicate"
+    assert await dump(store.redis, store.settings.prefix) == before  # no attempt counted, no event
+    assert (await hash_of(store, k.turn(t.id)))["model_starts"] == "1"
+
+
+async def test_a_second_claim_after_a_lost_worker_is_attempt_2_announced_as_redelivered(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    assert (await t.begin(MODEL, claim="w1")).attempt == 1
+    await store.release_claim(t.id, "w1")  # the claim of a dead worker ran out
+    n = len(await stream(store, t.id))
+    b = await t.begin(MODEL, claim="w2")
+    assert (b.status, b.attempt) == ("go", 2)
+    assert (await store.turn_state(t.id)).attempt == 2
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    retrying, started = seen[n:]
+    assert isinstance(retrying, events.Retrying) and retrying.reason.startswith("redelivered")
+    assert retrying.attempt == 2
+    assert isinstance(started, events.StageEvent) and (started.stage, started.status) == (MODEL, "started")
+    assert started.attempt == 2  # the store's attempt, not the caller's (the event came without one)
+
+
+async def test_a_second_claim_after_a_scheduled_retry_adds_no_redelivered_event(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    assert (await t.begin(MODEL, claim="w1")).attempt == 1
+    assert await store.retry(
+        t.id, next_=Next(MODEL, Envelope(turn_id=t.id, stage=MODEL, attempt=2).model_dump(), new_id("m"),
+                         delay_ms=500),
+        now=time.time(), now_ms=int(time.time() * 1000),
+        event=events.Retrying(turn_id=t.id, attempt=2, reason="model_rate_limited: 429"), claim="w1") == "ok"
+    n = len(await stream(store, t.id))
+    b = await t.begin(MODEL, claim="w1")
+    assert (b.status, b.attempt) == ("go", 2)
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    assert [type(e) for e in seen[n:]] == [events.StageEvent]
+    assert seen[n].attempt == 2
+    assert "retry_pending" not in await hash_of(store, store.keys.turn(t.id))
+    assert len([e for e in seen if isinstance(e, events.Retrying)]) == 1
+
+
+# --- advance ----------------------------------------------------------------------------------------
+
+
+async def test_advance_hands_over_in_one_step(store: Store) -> None:
+    t = await make_turn(store)
+    await t.accept()
+    k = store.keys
+    await t.begin(SECOND)
+    n = len(await stream(store, t.id))
+    mid = new_id("m")
+    async with listening(store, k.doorbell_channel()) as doorbell:
+        assert await t.advance(SECOND, artifact="<second>", next_id=mid) == "ok"
+        rang = await published(doorbell)
+    assert rang == [THIRD]
+    assert "done:" + SECOND in await hash_of(store, k.turn(t.id))
+    assert await store.redis.get(k.artifact(t.id, SECOND)) == b"<second>"
+    assert 0 < await store.redis.pttl(k.artifact(t.id, SECOND)) <= store.settings.artifact_ttl_s * 1000
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    (finished,) = seen[n:]
+    assert isinstance(finished, events.StageEvent) and (finished.stage, finished.status) == (SECOND, "finished")
+    # the next stage's message, exactly as dramatiq's RedisBroker stores it
+    assert await store.redis.lrange(f"{store.settings.prefix}:q:{THIRD}", 0, -1) == [mid.encode()]
+    raw = await store.redis.hget(f"{store.settings.prefix}:q:{THIRD}.msgs", mid)
+    assert raw is not None
+    message = decode_message(raw)
+    assert (message["queue_name"], message["actor_name"], message["message_id"]) == (THIRD, THIRD, mid)
+    assert message["options"]["redis_message_id"] == mid
+    assert message["args"] == [Envelope(turn_id=t.id, stage=THIRD).model_dump()]
+
+
+async def test_advance_twice_is_done_and_duplicates_nothing(store: Store) -> None:
+    t = await make_turn(store)
+    await t.accept()
+    await t.begin(SECOND)
+    assert await t.advance(SECOND, artifact="<second>") == "ok"
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.advance(SECOND, artifact="<other>", next_id=new_id("m")) == "done"
+    assert await dump(store.redis, store.settings.prefix) == before
+    assert await store.redis.hlen(f"{store.settings.prefix}:q:{THIRD}.msgs") == 1
+    assert await store.redis.llen(f"{store.settings.prefix}:q:{THIRD}") == 1
+
+
+@pytest.mark.parametrize("lease", [{"turn": "t-someone-else", "fence": "2"}, {"fence": "2"}],
+                         ids=["another-turn-took-the-lease", "the-fence-moved"])
+async def test_advance_with_a_stale_fence_writes_nothing(store: Store, lease: dict[str, str]) -> None:
+    t = await make_turn(store)
+    await t.accept()
+    await t.begin(SECOND)
+    await store.redis.hset(store.keys.lease(t.cid), mapping=lease)
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.advance(SECOND, artifact="<second>") == "stale"
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_advance_of_a_terminal_turn_is_terminal(store: Store) -> None:
+    t = await make_turn(store)
+    await t.accept()
+    await t.begin(SECOND)
+    assert await t.end("cancelled", code="cancelled") == "ok"
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.advance(SECOND, artifact="<second>") == "terminal"
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_accept_creates_the_conversation_the_row_and_the_order_entry_once(store: Store) -> None:
+    t = await make_turn(store)
+    k = store.keys
+    await t.admit()
+    await t.begin(FIRST)
+    assert await t.advance(FIRST, accept=True) == "ok"
+    expected_conversation = {**conversation_to_hash(new_conversation(t.resolved)), "message_seq": "1"}
+    assert await hash_of(store, k.conversation(t.cid)) == expected_conversation
+    assert await hash_of(store, k.messages(t.cid)) == {t.id: pending_row(t.resolved).model_dump_json()}
+    assert await store.redis.zrange(k.message_order(t.cid), 0, -1, withscores=True) == [(t.id.encode(), 1.0)]
+    state = await store.turn_state(t.id)
+    assert state.message_id == t.id and state.done == {FIRST}
+    assert state.deadline_at == t.resolved.accepted_at + t.resolved.deadline_s
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    assert [e.type for e in seen] == ["accepted", "stage", "stage"]
+    assert await store.artifact(t.id, FIRST) == t.resolved.model_dump_json().encode()
+
+    # a redelivery changes nothing
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.advance(FIRST, accept=True) == "done"
+    assert await dump(store.redis, store.settings.prefix) == before
+    # even one that got past the done marker keeps the row, the order and the conversation as they are
+    await store.redis.hdel(k.turn(t.id), f"done:{FIRST}")
+    assert await t.advance(FIRST, accept=True) == "ok"
+    assert await hash_of(store, k.conversation(t.cid)) == expected_conversation
+    assert await store.redis.zcard(k.message_order(t.cid)) == 1
+
+
+async def test_accept_of_a_follow_up_keeps_the_conversation_and_orders_its_row(store: Store) -> None:
+    first = await make_turn(store)
+    await first.run_to(LAST)
+    assert await first.finish() == "ok"
+    k = store.keys
+    conversation = await hash_of(store, k.conversation(first.cid))
+    second = await make_turn(store, conversation_id=first.cid)
+    await second.accept()
+    assert second.fence == "2"
+    assert await hash_of(store, k.conversation(first.cid)) == {**conversation, "message_seq": "2"}
+    assert await store.redis.zrange(k.message_order(first.cid), 0, -1, withscores=True) == [
+        (first.id.encode(), 1.0), (second.id.encode(), 2.0)]
+    row = await store.redis.hget(k.messages(first.cid), second.id)
+    assert row is not None and json.loads(row)["parent_id"] == first.id
+
+
+# --- retry ------------------------------------------------------------------------------------------
+
+
+async def test_retry_schedules_a_delayed_message_releases_the_claim_and_announces_it(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    await t.begin(MODEL, claim="w1")
+    k, prefix = store.keys, store.settings.prefix
+    n = len(await stream(store, t.id))
+    ready = await queued(store, MODEL)  # the message that started this attempt
+    mid, now_ms = new_id("m"), int(time.time() * 1000)
+    async with listening(store, k.doorbell_channel()) as doorbell:
+        assert await store.retry(
+            t.id, next_=Next(MODEL, Envelope(turn_id=t.id, stage=MODEL, attempt=2).model_dump(), mid, delay_ms=500),
+            now=time.time(), now_ms=now_ms,
+            event=events.Retrying(turn_id=t.id, attempt=2, reason="model_rate_limited: 429"), claim="w1") == "ok"
+        rang = await published(doorbell)
+    assert rang == [f"{MODEL}.DQ"]
+    assert not await store.redis.exists(k.model_claim(t.id))
+    assert (await hash_of(store, k.turn(t.id)))["retry_pending"] == "1"
+    assert await store.redis.lrange(f"{prefix}:q:{MODEL}.DQ", 0, -1) == [mid.encode()]
+    assert await queued(store, MODEL) == ready  # nothing to run now, only later
+    raw = await store.redis.hget(f"{prefix}:q:{MODEL}.DQ.msgs", mid)
+    assert raw is not None
+    message = decode_message(raw)
+    assert message["queue_name"] == f"{MODEL}.DQ" and message["options"]["eta"] == now_ms + 500
+    assert message["args"] == [Envelope(turn_id=t.id, stage=MODEL, attempt=2).model_dump()]
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    (retrying,) = seen[n:]
+    assert isinstance(retrying, events.Retrying) and retrying.attempt == 2
+
+
+async def test_retry_of_a_terminal_turn_is_terminal(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    await t.begin(MODEL, claim="w1")
+    assert await t.end("cancelled", code="cancelled") == "ok"
+    before = await dump(store.redis, store.settings.prefix)
+    assert await store.retry(
+        t.id, next_=Next(MODEL, Envelope(turn_id=t.id, stage=MODEL, attempt=2).model_dump(), new_id("m"),
+                         delay_ms=500),
+        now=time.time(), now_ms=int(time.time() * 1000),
+        event=events.Retrying(turn_id=t.id, attempt=2, reason="model_unavailable: 503"), claim="w1") == "terminal"
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_retry_from_a_worker_that_lost_its_claim_leaves_the_new_claim_alone(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    await t.begin(MODEL, claim="w1")
+    await store.release_claim(t.id, "w1")  # w1's claim ran out (it stalled); w2 took over
+    assert (await t.begin(MODEL, claim="w2")).attempt == 2
+    # w1 comes back with a transient error and schedules its retry
+    await store.retry(
+        t.id, next_=Next(MODEL, Envelope(turn_id=t.id, stage=MODEL, attempt=2).model_dump(), new_id("m"),
+                         delay_ms=500),
+        now=time.time(), now_ms=int(time.time() * 1000),
+        event=events.Retrying(turn_id=t.id, attempt=2, reason="model_unavailable: 503"), claim="w1")
+    # w2 still runs the model: its claim must keep a third delivery out
+    assert await store.redis.get(store.keys.model_claim(t.id)) == b"w2"
+
+
+# --- finish -----------------------------------------------------------------------------------------
+
+
+async def test_finish_writes_the_turn_and_cleans_up_after_it(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    k = store.keys
+    await store.cancel(t.id, "too late", now=time.time())  # a cancel that lost the race
+    assert (await t.begin(LAST, interrupts=False)).status == "go"
+    assert await store.redis.exists(k.model_claim(t.id), k.cancel_flag(t.id)) == 2
+    usage = Usage(input_tokens=11, output_tokens=7, requests=1)
+    assert await t.finish("succeeded", snapshot="SNAP", usage=usage) == "ok"
+
+    row = await store.redis.hget(k.messages(t.cid), t.id)
+    assert row is not None and json.loads(row) == {
+        **json.loads(pending_row(t.resolved).model_dump_json()),
+        "answer": "the answer", "status": "succeeded", "usage": usage.model_dump(),
+        "updated_at": json.loads(row)["updated_at"]}
+    assert await store.redis.hget(k.snapshots(t.cid), t.id) == b"SNAP"
+    conversation = await hash_of(store, k.conversation(t.cid))
+    assert (conversation["tip"], conversation["pending"], conversation["revision"]) == (t.id, "[]", "1")
+    assert await hash_of(store, k.usage("t1")) == {"input_tokens": "11", "output_tokens": "7", "requests": "1",
+                                                    "turns": "1"}
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    assert isinstance(seen[-1], events.Succeeded) and len(terminals(seen)) == 1
+    assert isinstance(seen[-2], events.StageEvent) and (seen[-2].stage, seen[-2].status) == (LAST, "finished")
+    # the turn's scratch state is gone; its record and events expire
+    assert not await store.redis.exists(*(k.artifact(t.id, s) for s in STAGES), k.model_claim(t.id),
+                                        k.cancel_flag(t.id))
+    state = await store.turn_state(t.id)
+    assert state.status == "succeeded"
+    for key in (k.turn(t.id), k.events(t.id)):
+        assert 0 < await store.redis.ttl(key) <= store.settings.turn_ttl_s
+    assert await store.redis.zscore(k.running(), t.id) is None
+    # the conversation is free again (its fence stays for the next holder)
+    assert await hash_of(store, k.lease(t.cid)) == {"fence": "1"}
+    assert not await store.redis.exists(k.turn_queue(t.cid), k.waiting(t.cid))
+
+
+async def test_finish_twice_is_already_and_the_stream_keeps_one_terminal_event(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    assert await t.finish("succeeded") == "ok"
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.finish("failed") == "already"
+    assert await t.end("cancelled", code="cancelled") == "already"
+    assert await dump(store.redis, store.settings.prefix) == before
+    seen = await stream(store, t.id)
+    assert [e.type for e in terminals(seen)] == ["succeeded"]
+    assert (await hash_of(store, store.keys.conversation(t.cid)))["revision"] == "1"
+
+
+@pytest.mark.parametrize("lease", [{"turn": "t-someone-else", "fence": "2"}, {"fence": "2"}],
+                         ids=["another-turn-took-the-lease", "the-fence-moved"])
+async def test_finish_with_a_stale_fence_writes_nothing(store: Store, lease: dict[str, str]) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    await store.redis.hset(store.keys.lease(t.cid), mapping=lease)
+    before = await dump(store.redis, store.settings.prefix)
+    assert await t.finish("succeeded") == "stale"
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_finish_releases_the_lease_and_wakes_the_next_turn_in_line(store: Store) -> None:
+    first = await make_turn(store)
+    await first.run_to(LAST)
+    second = await make_turn(store, conversation_id=first.cid)
+    assert (await second.admit())[0] == "waiting"
+    k, prefix = store.keys, store.settings.prefix
+    async with listening(store, k.doorbell_channel()) as doorbell:
+        assert await first.finish() == "ok"
+        rang = await published(doorbell)
+    assert rang == [FIRST]
+    wake = f"wake.{second.id}.{first.id}"
+    assert await store.redis.lrange(f"{prefix}:q:{FIRST}", 0, -1) == [wake.encode()]
+    raw = await store.redis.hget(f"{prefix}:q:{FIRST}.msgs", wake)
+    assert raw is not None
+    message = decode_message(raw)
+    assert message["message_id"] == wake and message["options"]["redis_message_id"] == wake
+    assert message["args"] == [second.req.model_dump(mode="json", by_alias=True)]
+    assert raw == second.request.replace(WAKE_ID.encode(), wake.encode())
+    assert await hash_of(store, k.lease(first.cid)) == {"fence": "1"}
+    assert await members(store, k.turn_queue(first.cid)) == [second.id]
+    assert await store.redis.hkeys(k.waiting(first.cid)) == [second.id.encode()]
+    # the woken turn runs now, with the next fence
+    assert await second.admit() == ("admitted", "2")
+
+
+async def test_the_wake_id_is_substituted_for_the_message_id_only(store: Store) -> None:
+    first = await make_turn(store)
+    await first.run_to(LAST)
+    query = f"what does {WAKE_ID} mean?"
+    second = await make_turn(store, conversation_id=first.cid, query=query)
+    assert (await second.admit())[0] == "waiting"
+    assert await first.finish() == "ok"
+    raw = await store.redis.hget(f"{store.settings.prefix}:q:{FIRST}.msgs", f"wake.{second.id}.{first.id}")
+    assert raw is not None
+    assert decode_message(raw)["args"][0]["query"] == query
+
+
+async def test_a_turn_that_finishes_out_of_line_leaves_the_holder_alone(store: Store) -> None:
+    first = await make_turn(store)
+    await first.accept()
+    second = await make_turn(store, conversation_id=first.cid)
+    assert (await second.admit())[0] == "waiting"
+    assert await second.end("cancelled", code="cancelled") == "ok"  # cancelled while it waited
+    k = store.keys
+    assert await hash_of(store, k.lease(first.cid)) == {"turn": first.id, "fence": "1"}
+    assert await members(store, k.turn_queue(first.cid)) == [first.id]
+    assert await store.redis.hkeys(k.waiting(first.cid)) == [first.id.encode()]
+    assert not await store.redis.exists(f"{store.settings.prefix}:q:{FIRST}")  # nobody woken
+
+
+@pytest.mark.parametrize("admitted", [True, False], ids=["admitted-then-refused", "refused-before-admission"])
+async def test_finish_without_a_conversation_leaves_no_lease_line_or_waiting_keys(store: Store,
+                                                                                  admitted: bool) -> None:
+    t = await make_turn(store)
+    if admitted:
+        assert await t.admit() == ("admitted", "1")
+    else:  # its producer took its place in the line; the admit stage refused it before admission
+        client = Client(store.settings.redis_url or "", prefix=store.settings.prefix)
+        client.submit(t.req.model_dump(mode="json", by_alias=True))
+        client.close()
+        assert await members(store, store.keys.turn_queue(t.cid)) == [t.id]
+    assert await t.end("failed", code="agent_not_found") == "ok"
+    assert await conversation_keys(store, t.cid) == []
+    seen = await stream(store, t.id)
+    assert [e.type for e in seen] == ["failed"] and seen[0].seq == 1
+    assert (await store.turn_state(t.id)).status == "failed"
+    assert await store.redis.zscore(store.keys.running(), t.id) is None
+
+
+async def test_finish_without_a_snapshot_keeps_the_stored_history(store: Store) -> None:
+    first = await make_turn(store)
+    await first.run_to(LAST)
+    assert await first.finish(snapshot="S1") == "ok"
+    second = await make_turn(store, conversation_id=first.cid)
+    await second.run_to(LAST)
+    k = store.keys
+    assert await second.finish("failed", snapshot=None) == "ok"
+    assert await hash_of(store, k.snapshots(first.cid)) == {first.id: "S1"}
+    conversation = await hash_of(store, k.conversation(first.cid))
+    assert (conversation["tip"], conversation["revision"]) == (second.id, "2")
+    row = await store.redis.hget(k.messages(first.cid), second.id)
+    assert row is not None and json.loads(row)["status"] == "failed"
+
+
+# --- stalled ----------------------------------------------------------------------------------------
+
+
+async def test_stalled_turn_without_a_claim_is_run_again_from_its_first_stage_not_done(store: Store) -> None:
+    t = await make_turn(store)
+    await t.admit()
+    now = time.time() + 120
+    assert await store.stalled(t.id, now=now, max_recoveries=3) == ("stalled", FIRST, 1, t.request.decode())
+    assert await store.redis.zscore(store.keys.running(), t.id) == pytest.approx(now)  # the clock restarts
+    t2 = await make_turn(store)
+    await t2.run_to(THIRD)
+    assert await store.stalled(t2.id, now=now, max_recoveries=3) == ("stalled", THIRD, 1, t2.request.decode())
+
+
+async def test_stalled_turn_with_a_live_claim_is_alive(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    await t.begin(MODEL, claim="w1")
+    assert (await store.stalled(t.id, now=time.time(), max_recoveries=3))[0] == "alive"
+    assert "recoveries" not in await hash_of(store, store.keys.turn(t.id))
+
+
+async def test_stalled_terminal_turn_is_gone_and_leaves_the_running_set(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    assert await t.finish() == "ok"
+    k = store.keys
+    await store.redis.zadd(k.running(), {t.id: time.time()})  # a leftover entry
+    assert (await store.stalled(t.id, now=time.time(), max_recoveries=3))[0] == "gone"
+    assert await store.redis.zscore(k.running(), t.id) is None
+    assert (await store.stalled(new_id(), now=time.time(), max_recoveries=3))[0] == "gone"  # unknown turn
+
+
+async def test_stalled_too_often_is_exhausted(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(THIRD)
+    verdicts = [(await store.stalled(t.id, now=time.time(), max_recoveries=2))[:2] for _ in range(3)]
+    assert verdicts == [("stalled", THIRD), ("stalled", THIRD), ("exhausted", THIRD)]
+
+
+# --- cancel -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["live-turn", "unknown-turn"])
+async def test_cancel_of_a_live_or_unknown_turn_raises_the_flag_and_tells_every_worker(store: Store,
+                                                                                      known: bool) -> None:
+    t = await make_turn(store)
+    if known:
+        await t.accept()
+    k = store.keys
+    async with listening(store, k.cancel_channel()) as channel:
+        assert await store.cancel(t.id, "user pressed stop", now=time.time()) == (
+            "signalled", "running" if known else "unknown")
+        told = await published(channel)
+    assert told == [t.id]
+    assert await store.redis.get(k.cancel_flag(t.id)) == b"user pressed stop"
+    assert 0 < await store.redis.ttl(k.cancel_flag(t.id)) <= store.settings.cancel_ttl_s
+    assert (await store.turn_state(t.id)).cancel_requested_at is not None
+    assert await store.redis.ttl(k.turn(t.id)) > 0  # an unknown turn's record expires too
+
+
+async def test_cancel_of_a_waiting_turn_says_so(store: Store) -> None:
+    first = await make_turn(store)
+    await first.accept()
+    second = await make_turn(store, conversation_id=first.cid)
+    await second.admit()
+    assert await store.cancel(second.id, "", now=time.time()) == ("signalled", "waiting")
+
+
+async def test_cancel_of_a_terminal_turn_is_a_noop(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    assert await t.finish() == "ok"
+    k = store.keys
+    before = await dump(store.redis, store.settings.prefix)
+    async with listening(store, k.cancel_channel()) as channel:
+        assert await store.cancel(t.id, "stop", now=time.time()) == ("noop", "succeeded")
+        told = await published(channel)
+    assert told == []
+    assert not await store.redis.exists(k.cancel_flag(t.id))
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+# --- emit -------------------------------------------------------------------------------------------
+
+
+async def test_emit_appends_with_the_next_seq(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    await t.begin(MODEL, claim="w1")
+    n = len(await stream(store, t.id))
+    await store.emit(t.id, events.TextDelta(turn_id=t.id, text="Hel"))
+    script = store.redis.register_script(lua.source("emit"))
+    delta = events.encode(events.TextDelta(turn_id=t.id, text="lo"))
+    assert await script(keys=[store.keys.turn(t.id), store.keys.events(t.id)], args=[delta]) == n + 2
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    assert [(e.type, getattr(e, "text", None)) for e in seen[n:]] == [("text_delta", "Hel"), ("text_delta", "lo")]
+
+
+async def test_emit_to_a_terminal_turn_appends_nothing(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    assert await t.finish() == "ok"
+    before = await dump(store.redis, store.settings.prefix)
+    await store.emit(t.id, events.TextDelta(turn_id=t.id, text="late"))
+    script = store.redis.register_script(lua.source("emit"))
+    delta = events.encode(events.TextDelta(turn_id=t.id, text="later"))
+    assert await script(keys=[store.keys.turn(t.id), store.keys.events(t.id)], args=[delta]) == 0
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+# --- submit -----------------------------------------------------------------------------------------
+
+
+async def test_store_enqueue_takes_no_place_in_any_line(store: Store) -> None:
+    k, prefix = store.keys, store.settings.prefix
+    mid = new_id("m")
+    _, _, data = build_message(FIRST, FIRST, ({"anything": 1},), message_id=mid, now_ms=int(time.time() * 1000))
+    async with listening(store, k.doorbell_channel()) as doorbell:
+        await store.enqueue(FIRST, mid, data)
+        rang = await published(doorbell)
+    assert rang == [FIRST]
+    assert await store.redis.hget(f"{prefix}:q:{FIRST}.msgs", mid) == data
+    assert await store.redis.lrange(f"{prefix}:q:{FIRST}", 0, -1) == [mid.encode()]
+    assert [key async for key in store.redis.scan_iter(f"{prefix}:conv:*")] == []
+
+
+async def test_client_enqueue_takes_a_place_in_the_line_only_when_asked(store: Store) -> None:
+    prefix, k = store.settings.prefix, store.keys
+    client = Client(store.settings.redis_url or "", prefix=prefix)
+    try:
+        cid = new_id("c")
+        client.enqueue(FIRST, FIRST, ({"x": 1},), conversation_id=cid)  # no turn id: no place
+        client.enqueue(FIRST, FIRST, ({"x": 2},), turn_id="t-lonely")  # no conversation: no place
+        assert [key async for key in store.redis.scan_iter(f"{prefix}:conv:*")] == []
+        client.enqueue(FIRST, FIRST, ({"x": 3},), conversation_id=cid, turn_id="t-placed")
+        assert await members(store, k.turn_queue(cid)) == ["t-placed"]
+        first_turn = client.submit({"tenant_id": "t1", "app_id": "app", "user_id": "u1", "agent_id": AGENT.id,
+                                    "query": "hi"})
+        assert await members(store, k.turn_queue(new_conversation_id(first_turn))) == [first_turn]
+        assert await store.redis.llen(f"{prefix}:q:{FIRST}") == 4
+    finally:
+        client.close()
+
+
+async def test_submission_scores_are_exact_microseconds_and_keep_the_order(store: Store) -> None:
+    client = Client(store.settings.redis_url or "", prefix=store.settings.prefix)
+    try:
+        cid = new_id("c")
+        seconds, micros = await store.redis.time()
+        before = seconds * 1_000_000 + micros
+        ids = [client.submit({"tenant_id": "t1", "app_id": "app", "user_id": "u1", "agent_id": AGENT.id,
+                              "conversation_id": cid, "query": f"q{i}"}) for i in range(2)]
+        seconds, micros = await store.redis.time()
+        after = seconds * 1_000_000 + micros
+    finally:
+        client.close()
+    line = store.keys.turn_queue(cid)
+    assert await members(store, line) == ids
+    scores = [await raw_score(store, line, i) for i in ids]
+    assert all(re.fullmatch(r"\d{16}", s) for s in scores), scores  # integers: no rounding, no exponent
+    assert before <= int(scores[0]) < int(scores[1]) <= after
+    # admission keeps the place the producer took
+    t = await make_turn(store, conversation_id=cid, turn_id=ids[1])
+    assert (await t.admit())[0] == "waiting"  # behind the first, which was never picked up
+    assert await raw_score(store, line, ids[1]) == scores[1]
+
+
+async def raw_score(store: Store, key: str, member: str) -> str:
+    """A score as the server prints it (redis-py would parse it into a float first)."""
+    raw = await store.redis.eval("return redis.call('ZSCORE', KEYS[1], ARGV[1])", 1, key, member)  # type: ignore[misc]
+    return raw.decode()
+
+
+# --- the scripts name no stage ----------------------------------------------------------------------
+
+STAGE_WORDS = ("resolve", "history", "map", "invoke", "persist")
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in sorted(SCRIPTS.glob("*.lua"))])
+def test_no_script_names_a_stage(path: Path) -> None:
+    source = path.read_text()
+    named = [w for w in STAGE_WORDS if re.search(rf"\b{w}\b", source)]
+    assert named == [], f"{path.name} names {named}"
+
+
+@pytest.mark.parametrize("path", sorted(SCRIPTS.glob("*.lua")), ids=lambda p: p.name)
+def test_no_script_code_names_a_stage(path: Path) -> None:
+    code = "\n".join(line.split("--", 1)[0] for line in path.read_text().splitlines())
+    named = [w for w in STAGE_WORDS if re.search(rf"\b{w}\b", code)]
+    assert named == [], f"{path.name} names {named}"
