@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.client import Client

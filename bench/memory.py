@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
 from threadline.workers.client import Client
 
 from .procs import Child, Processes, Server, python_env, raise_on_sigterm

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
+
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.stages import DEFAULT_GRAPH

@@ -27,6 +27,14 @@ def new_conversation_id(turn_id: str) -> str:
     return f"c-{turn_id}"
 
 
+def valid_id(value: object) -> str | None:
+    """`value` when it is a valid id, else None."""
+    try:
+        return _ID.validate_python(value)
+    except ValidationError:
+        return None
+
+
 def valid_turn_id(value: object) -> str | None:
     """`value` when it is a valid turn id, else None."""
     try:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.client import Client

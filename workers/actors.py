@@ -7,13 +7,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import dramatiq
+
 from threadline.pipeline.stages import Stage, StageGraph, StageKind
 
-from .runner import MALFORMED, run_admit, run_cancel, run_finish, run_model, run_transform
+from .control import CANCEL_ACTOR, CONTROL_QUEUE
+from .runner import Malformed, run_admit, run_cancel, run_finish, run_model, run_transform
 from .runtime import Runtime, RuntimeRef
-
-CONTROL_QUEUE = "control"
-CANCEL_ACTOR = "cancel"
 
 Runner = Callable[[Runtime, Stage, object], Awaitable[None]]
 RUNNERS: dict[StageKind, Runner] = {
@@ -39,7 +38,7 @@ def declare_actors(broker: dramatiq.Broker, graph: StageGraph, ref: RuntimeRef, 
     async def cancel(*args: object, **kwargs: object) -> None:
         # (turn_id) or (turn_id, reason); anything else is refused by the runner, not retried
         ok = 1 <= len(args) <= 2 and not kwargs
-        await run_cancel(ref.get(), args[0] if ok else MALFORMED, args[1] if ok and len(args) == 2 else "")
+        await run_cancel(ref.get(), args[0] if ok else Malformed(), args[1] if ok and len(args) == 2 else "")
 
     declared[CANCEL_ACTOR] = _declare(broker, CANCEL_ACTOR, CONTROL_QUEUE, cancel, priority=0,
                                       max_retries=max_retries)
@@ -52,7 +51,8 @@ def _stage_actor(ref: RuntimeRef, stage: Stage) -> Callable[..., Coroutine[Any, 
     async def run(*args: object, **kwargs: object) -> None:
         # a stage message carries exactly one argument; anything else is refused by the runner at
         # once (as malformed input), not retried as a crash
-        await runner(ref.get(), stage, args[0] if len(args) == 1 and not kwargs else MALFORMED)
+        arg = args[0] if len(args) == 1 and not kwargs else Malformed(args[0] if args else None)
+        await runner(ref.get(), stage, arg)
 
     return run
 

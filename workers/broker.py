@@ -190,9 +190,19 @@ def _shape_problem(fields: object, queue_name: str) -> str | None:
             return name
     if fields["queue_name"] != queue_name:
         return "queue_name"
-    if not isinstance(fields["options"].get("redis_message_id"), str):
+    redis_id = fields["options"].get("redis_message_id")
+    if not isinstance(redis_id, str) or not _encodable(redis_id):
         return "options.redis_message_id"
     return None
+
+
+def _encodable(text: str) -> bool:
+    """Whether `text` can be sent to Redis (a lone surrogate cannot: dramatiq could never ack it)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_message(data: bytes, *, queue_name: str, actors: Container[str]) -> Message[Any] | _Refused:

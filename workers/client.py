@@ -13,18 +13,24 @@ from typing import Any, cast
 
 import redis
 from pydantic_ai.messages import ModelMessage
+
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig, config_to_json, parse_agent_config
-from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id
+from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id, valid_id, valid_turn_id
 from threadline.pipeline.events import TERMINAL_TYPES, Event, Terminal
 from threadline.pipeline.history import encode_messages, extract_thread
 from threadline.pipeline.records import ConversationRecord, MessageRecord
+from threadline.pipeline.stages import DEFAULT_GRAPH
 
 from . import lua
 from .broker import build_message
+from .control import CANCEL_ACTOR, CONTROL_QUEUE
 from .keys import Keys
 from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
 from .settings import Settings
+
+#: The stage producers enqueue turns to: the graph's admit stage.
+ADMIT = DEFAULT_GRAPH.first
 
 
 class Client:
@@ -75,13 +81,13 @@ class Client:
         # a first turn takes its place in the line of the conversation it will start, so follow-ups
         # that name that conversation before it exists wait behind it
         conversation_id = body.get("conversation_id") or new_conversation_id(turn_id)
-        self.enqueue("resolve", "resolve", (body,), conversation_id=str(conversation_id), turn_id=turn_id)
+        self.enqueue(ADMIT.queue, ADMIT.name, (body,), conversation_id=str(conversation_id), turn_id=turn_id)
         return turn_id
 
     def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
         """Enqueue anything as the `resolve` argument (tests use it for malformed input). Returns the
         dramatiq message id, which is the turn id of a request that names none."""
-        return self.enqueue("resolve", "resolve", (request,), message_id=message_id)
+        return self.enqueue(ADMIT.queue, ADMIT.name, (request,), message_id=message_id)
 
     def enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str | None = None,
                 conversation_id: str | None = None, turn_id: str | None = None) -> str:
@@ -90,9 +96,11 @@ class Client:
         line now, so that turns run in the order they were submitted. Returns the message id."""
         target, mid, data = build_message(queue, actor, args, message_id=message_id or uuid.uuid4().hex,
                                           now_ms=int(time.time() * 1000))
-        register = bool(conversation_id and turn_id)
+        # only ids that name keys of their own take a place in a line (workers refuse the others)
+        register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))
         line = self.keys.turn_queue(conversation_id if register and conversation_id else "-")
-        self._submit(keys=[self.keys.queue_messages(target), self.keys.queue(target), line],
+        turn = self.keys.turn(turn_id if register and turn_id else "-")
+        self._submit(keys=[self.keys.queue_messages(target), self.keys.queue(target), line, turn],
                      args=[lua.payload(message_id=mid, turn_id=turn_id if register else "",
                                            channel=self.keys.doorbell_channel(), queue=target), data])
         return mid
@@ -103,7 +111,7 @@ class Client:
         status = self.turn_state(turn_id).status
         if status in TERMINAL_TYPES:
             return f"noop: {status}"
-        self.enqueue("control", "cancel", (turn_id, reason))
+        self.enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason))
         return "enqueued"
 
     def events(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,

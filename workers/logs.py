@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import dramatiq
 import structlog
+
 from threadline.pipeline.redact import MASK, MIN_SECRET_CHARS, is_secret_name, redact, redact_value
 
 from .settings import Settings

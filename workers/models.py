@@ -14,6 +14,7 @@ from pydantic_ai import Tool
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models import Model
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+
 from threadline.pipeline.config import ModelSpec
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
 from threadline.pipeline.invoke import BUILTIN_TOOLS, TurnDeps

@@ -21,6 +21,7 @@ import structlog
 from dramatiq.middleware import CurrentMessage
 from pydantic import ValidationError
 from pydantic_ai import CancellationToken
+
 from threadline.pipeline import events
 from threadline.pipeline.contracts import (
     Envelope,
@@ -41,6 +42,7 @@ from threadline.pipeline.stages import Stage, StageInput
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
 
 from .broker import build_message
+from .control import CANCEL_ACTOR, CONTROL_QUEUE
 from .loaders import LOADERS
 from .runtime import Runtime
 from .store import WAKE_ID, Accept, Begin, Finish, Next
@@ -48,8 +50,14 @@ from .stream import TurnStream
 
 log = structlog.get_logger(__name__)
 
-#: What a runner gets instead of a message's argument when the message carried none or several.
-MALFORMED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """What a runner gets instead of a message's argument when the message carried none or
+    several; `first` is its first argument, which may still name the turn."""
+
+    first: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +240,8 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
     take its place in the conversation's line, pin what it runs with, and accept it."""
     message = CurrentMessage.get_current_message()
     assert message is not None, "the CurrentMessage middleware is installed"
-    turn_id = extract_turn_id(request) or valid_turn_id(message.message_id)
+    turn_id = extract_turn_id(request.first if isinstance(request, Malformed) else request) or valid_turn_id(
+        message.message_id)
     if turn_id is None:
         # no id that names a turn of its own: there is no stream to report on
         await rt.store.dead_letter(stage.queue, message.message_id, stage.name, "invalid_turn_id")
@@ -240,13 +249,13 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         return
     structlog.contextvars.bind_contextvars(turn_id=turn_id)
     try:
-        if request is MALFORMED:
+        if isinstance(request, Malformed):
             raise InvalidRequest("a turn message carries exactly one argument: the turn request")
         req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=rt.settings.max_query_chars)
     except ThreadlineError as e:
         # a producer may have put the turn in its conversation's line: take it out again
-        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message,
-                          conversation_id=extract_conversation_id(request) or new_conversation_id(turn_id))
+        cid = extract_conversation_id(request) or new_conversation_id(turn_id)
+        await _refuse(rt, stage, turn_id, request, e, conversation_id=cid)
         return
     cid = req.conversation_id or new_conversation_id(turn_id)
     structlog.contextvars.bind_contextvars(conversation_id=cid)
@@ -255,14 +264,14 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         # validate before anything of the conversation is written: a refusal leaves it as it was
         resolved = await _resolve(rt, req, cid, must_exist=False)
     except ThreadlineError as e:
-        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message, conversation_id=cid)
+        await _refuse(rt, stage, turn_id, request, e, conversation_id=cid)
         return
     _, _, wake = build_message(stage.queue, stage.name, (req.model_dump(mode="json", by_alias=True),),
                                message_id=WAKE_ID, now_ms=message.message_timestamp)
     admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake)
     if admission == "cancelled":
         await rt.end_turn(turn_id, "cancelled", code="cancelled", conversation_id=cid,
-                          message="cancelled before it started")
+                          message=f"cancelled before {stage.name}: the turn never started")
     if admission != "admitted":
         log.info("turn_not_admitted", admission=admission, behind=ahead)
         return
@@ -278,6 +287,23 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         return
     assert resolved is not None
     await _accept(rt, stage, resolved, begin, t0)
+
+
+async def _refuse(rt: Runtime, stage: Stage, turn_id: str, request: object, error: ThreadlineError, *,
+                  conversation_id: str) -> None:
+    """End the turn a refused message names — unless that turn already lives on another message
+    (a producer's duplicate, or a hostile one): a waiting or running turn is ended only by its own
+    request; any other message naming it is dead-lettered and the turn left alone."""
+    state = await rt.store.turn_state(turn_id)
+    if state.status in ("waiting", "running"):
+        own = await rt.store.waiting_request(state.conversation_id, turn_id)
+        if own is None or own != request:
+            message = CurrentMessage.get_current_message()
+            await rt.store.dead_letter(stage.queue, message.message_id if message else "", stage.name,
+                                       f"refused_duplicate: {error.code}")
+            log.warning("duplicate_refused", code=error.code, turn_status=state.status)
+            return
+    await rt.end_turn(turn_id, "failed", code=error.code, message=error.message, conversation_id=conversation_id)
 
 
 async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool) -> ResolvedTurn | None:
@@ -326,10 +352,10 @@ async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begi
 async def run_cancel(rt: Runtime, turn_id: object, reason: object = "") -> None:
     """The control actor: a durable flag, a broadcast to every process, and a waiting turn ended."""
     tid = valid_turn_id(turn_id)
-    if tid is None or not isinstance(reason, str):
+    if tid is None or not isinstance(reason, str):  # a `Malformed` message too
         message: dramatiq.Message[Any] | None = CurrentMessage.get_current_message()
         mid = message.message_id if message is not None else ""
-        await rt.store.dead_letter("control", mid, "cancel", "invalid_cancel_arguments")
+        await rt.store.dead_letter(CONTROL_QUEUE, mid, CANCEL_ACTOR, "invalid_cancel_arguments")
         log.warning("cancel_refused", reason="invalid_cancel_arguments")
         return
     structlog.contextvars.bind_contextvars(turn_id=tid)

@@ -16,6 +16,7 @@ import time
 import uuid
 
 import structlog
+
 from threadline.pipeline import events
 from threadline.pipeline.config import ModelSpec
 from threadline.pipeline.errors import ErrorCode

@@ -10,6 +10,7 @@ from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+
 from threadline.pipeline import events
 from threadline.pipeline.config import AgentConfig, config_from_json
 from threadline.pipeline.errors import AgentNotFound, ConversationNotFound
@@ -115,9 +116,11 @@ class Store:
         reply = await self._run(
             "admit",
             [k.turn(turn_id), k.cancel_flag(turn_id), k.running(), k.turn_queue(conversation_id),
-             k.lease(conversation_id), k.waiting(conversation_id)],
+             k.lease(conversation_id), k.waiting(conversation_id), k.queue_messages(self.graph.first.queue),
+             k.queue(self.graph.first.queue)],
             lua.payload(turn_id=turn_id, conversation_id=conversation_id, now=now,
-                        done=f"done:{self.graph.first.name}"),
+                        done=f"done:{self.graph.first.name}", channel=k.doorbell_channel(),
+                        queue=self.graph.first.queue),
             request,
         )
         status = cast(Admission, text(reply[0]))
@@ -230,7 +233,7 @@ class Store:
     async def enqueue(self, queue: str, message_id: str, data: bytes) -> None:
         """Enqueue a ready dramatiq message (as any producer does) and ring the doorbell."""
         k = self.keys
-        await self._run("submit", [k.queue_messages(queue), k.queue(queue), k.turn_queue("-")],
+        await self._run("submit", [k.queue_messages(queue), k.queue(queue), k.turn_queue("-"), k.turn("-")],
                         lua.payload(message_id=message_id, turn_id="", channel=k.doorbell_channel(), queue=queue),
                         data)
 
@@ -280,6 +283,11 @@ class Store:
         if record is None:
             raise ConversationNotFound(f"conversation {conversation_id!r} does not exist")
         return record
+
+    async def waiting_request(self, conversation_id: str, turn_id: str) -> object:
+        """The request a waiting or running turn was admitted with (the argument of its message)."""
+        kept = await self.redis.hget(self.keys.waiting(conversation_id), turn_id)
+        return json.loads(kept)["args"][0] if kept else None
 
     async def has_message(self, conversation_id: str, message_id: str) -> bool:
         return bool(await self.redis.hexists(self.keys.messages(conversation_id), message_id))

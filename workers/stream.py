@@ -12,6 +12,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 
 from pydantic_ai import RunContext
 from pydantic_ai.messages import AgentStreamEvent
+
 from threadline.pipeline import events
 from threadline.pipeline.invoke import TurnDeps
 from threadline.pipeline.records import ToolActivity

@@ -16,6 +16,7 @@ from typing import cast
 
 import redis
 import structlog
+
 from threadline.pipeline.contracts import Envelope
 
 from .runtime import Runtime

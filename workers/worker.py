@@ -21,6 +21,7 @@ from pathlib import Path
 import dramatiq
 import structlog
 from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
+
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 
 from .actors import declare_actors

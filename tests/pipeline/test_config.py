@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+
 from threadline.pipeline.config import AgentConfig, config_from_json, find_credential, parse_agent_config
 from threadline.pipeline.errors import InvalidRequest
 

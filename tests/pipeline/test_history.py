@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+
 from threadline.pipeline.errors import InvalidRequest, SnapshotCorrupt
 from threadline.pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
 from threadline.pipeline.records import MessageRecord

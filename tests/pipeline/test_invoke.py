@@ -1,10 +1,11 @@
-"""The invoke runner and persist preparation with real pydantic-ai runs (FunctionModel/TestModel)
+"""The model stage's run and persist preparation with real pydantic-ai runs (FunctionModel/TestModel)
 and an in-memory event sink; no Redis."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,23 +21,29 @@ from pydantic_ai.messages import (
     ToolReturnPart,
     UserPromptPart,
 )
+from pydantic_ai.models import Model
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 from pydantic_ai.models.test import TestModel
+
+from threadline.pipeline import events
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.history import decode_messages
 from threadline.pipeline.invoke import (
     InvokeOutcome,
-    TextDebouncer,
+    TurnAgent,
     build_agent,
-    build_tools,
     model_error_code,
     retry_delay_s,
     run_turn,
 )
+from threadline.pipeline.limits import truncate_text, truncation_marker
 from threadline.pipeline.mapping import normalise_messages
-from threadline.pipeline.models import StrictSystemModel, build_model, chat_answer, profile_for
+from threadline.pipeline.models import StrictSystemModel, chat_answer, profile_for
 from threadline.pipeline.persist import prepare_snapshot, run_answer
 from threadline.pipeline.records import ResolvedTurn
+from threadline.pipeline.streaming import RunEvents, TextDebouncer
+from threadline.workers.models import build_model, build_tools
+from threadline.workers.stream import TurnStream
 
 models.ALLOW_MODEL_REQUESTS = False
 
@@ -48,21 +55,33 @@ def resolved(**config: Any) -> ResolvedTurn:
                         query="hello", deadline_s=30, accepted_at=0, tenant_id="t", app_id="a", user_id="u")
 
 
-async def run(model: Any, turn: ResolvedTurn | None = None, *, cancel_after: float | None = None,
-              timeout_s: float = 10, history: list[ModelMessage] | None = None) -> tuple[InvokeOutcome, list[dict]]:
-    turn = turn or resolved()
-    sink: list[dict[str, Any]] = []
+async def run_with(agent: TurnAgent, turn: ResolvedTurn, *, history: list[ModelMessage] | None = None,
+                   token: CancellationToken | None = None, timeout_s: float = 10, max_chars: int = 100_000,
+                   secrets: tuple[str, ...] = (), debounce_s: float = 0.01) -> tuple[InvokeOutcome, list[events.Event]]:
+    """One run as the model stage does it: a `TurnStream` writing to an in-memory sink."""
+    sink: list[events.Event] = []
 
-    async def emit(event: dict[str, Any]) -> None:
+    async def emit(event: events.Event) -> None:
         sink.append(event)
 
+    translator = RunEvents(turn.turn_id, 1, TextDebouncer(window_s=debounce_s), tool_payload_chars=100_000)
+    async with TurnStream(translator, emit, time.monotonic) as stream:
+        outcome = await run_turn(turn, history or [], agent=agent, attempt=1, stream=stream,
+                                 token=token or CancellationToken(), clock=lambda: 0.0, timeout_s=timeout_s,
+                                 max_chars=max_chars, secrets=secrets)
+    return outcome, sink
+
+
+async def run(model: Model, turn: ResolvedTurn | None = None, *, cancel_after: float | None = None,
+              timeout_s: float = 10, history: list[ModelMessage] | None = None,
+              max_chars: int = 100_000, secrets: tuple[str, ...] = ()) -> tuple[InvokeOutcome, list[events.Event]]:
+    turn = turn or resolved()
     token = CancellationToken()
     if cancel_after is not None:
         asyncio.get_running_loop().call_later(cancel_after, token.cancel)
     agent = build_agent(model, build_tools(turn.config.tools, allow_python=False))
-    outcome = await run_turn(turn, history or [], agent=agent, attempt=1, sink=emit, token=token,
-                             clock=lambda: 0.0, timeout_s=timeout_s, debounce_s=0.01)
-    return outcome, sink
+    return await run_with(agent, turn, history=history, token=token, timeout_s=timeout_s, max_chars=max_chars,
+                          secrets=secrets)
 
 
 def words_model(n: int, delay: float) -> FunctionModel:
@@ -89,8 +108,8 @@ def both(respond: Any) -> FunctionModel:
     return FunctionModel(respond, stream_function=stream)
 
 
-def text_of(sink: list[dict[str, Any]]) -> str:
-    return "".join(e["text"] for e in sink if e["type"] == "text_delta")
+def text_of(sink: list[events.Event]) -> str:
+    return "".join(e.text for e in sink if isinstance(e, events.TextDelta))
 
 
 def test_debouncer_sends_the_first_text_at_once_then_flushes_on_window_and_size() -> None:
@@ -105,7 +124,8 @@ def test_debouncer_sends_the_first_text_at_once_then_flushes_on_window_and_size(
 async def test_success_streams_and_stores_no_instructions() -> None:
     outcome, sink = await run(words_model(20, 0.001))
     assert outcome.status == "succeeded" and text_of(sink) == outcome.answer
-    assert len([e for e in sink if e["type"] == "text_delta"]) < 20  # debounced
+    assert len([e for e in sink if isinstance(e, events.TextDelta)]) < 20  # debounced
+    assert all(e.turn_id == "t1" and e.attempt == 1 for e in sink)
     stored = decode_messages(outcome.snapshot or "", where="test")
     assert all(m.instructions is None for m in stored if isinstance(m, ModelRequest))
     assert "SECRET INSTRUCTIONS" not in (outcome.snapshot or "")
@@ -142,8 +162,12 @@ async def test_model_errors_map_to_stable_codes(status: int, code: str, transien
 
 async def test_tool_loop_emits_tool_events_and_records_activity() -> None:
     outcome, sink = await run(TestModel(call_tools=["clock"]), resolved(tools=["clock"]))
-    kinds = [e["type"] for e in sink]
+    kinds = [e.type for e in sink]
     assert kinds.index("tool_call") < kinds.index("tool_result")
+    call = next(e for e in sink if isinstance(e, events.ToolCall))
+    result = next(e for e in sink if isinstance(e, events.ToolResult))
+    assert (call.name, result.name, result.outcome) == ("clock", "clock", "success")
+    assert result.tool_call_id == call.tool_call_id and isinstance(call.args, dict)
     assert [(t.name, t.outcome) for t in outcome.tools] == [("clock", "success")]
     assert outcome.usage.requests == 2
 
@@ -229,8 +253,7 @@ async def test_a_broken_tool_fails_the_turn_once_and_keeps_its_history() -> None
 
     turn = resolved()
     agent = build_agent(TestModel(call_tools=["broken_tool"]), [Tool(broken_tool)])
-    outcome = await run_turn(turn, [], agent=agent, attempt=1, sink=_ignore, token=CancellationToken(),
-                             clock=lambda: 0.0, timeout_s=10)
+    outcome, _ = await run_with(agent, turn)
     assert (outcome.status, outcome.code, outcome.transient) == ("failed", "internal_error", False)
     assert "bug in the tool" in (outcome.message or "")
     stored = decode_messages(outcome.snapshot or "", where="test")
@@ -239,10 +262,39 @@ async def test_a_broken_tool_fails_the_turn_once_and_keeps_its_history() -> None
                for m in stored if isinstance(m, ModelResponse) for p in m.parts)
     # and the next turn continues from it (the map stage repairs the open call)
     history, _ = normalise_messages(stored)
-    after = await run_turn(turn.model_copy(update={"turn_id": "t2"}), history, agent=build_agent(TestModel()),
-                           attempt=1, sink=_ignore, token=CancellationToken(), clock=lambda: 0.0, timeout_s=10)
+    after, _ = await run_with(build_agent(TestModel()), turn.model_copy(update={"turn_id": "t2"}), history=history)
     assert after.status == "succeeded"
 
 
-async def _ignore(event: dict[str, Any]) -> None:
-    return None
+async def test_answers_longer_than_the_limit_are_stored_truncated_with_a_marker() -> None:
+    outcome, sink = await run(words_model(200, 0), max_chars=300)
+    assert outcome.status == "succeeded"
+    streamed = text_of(sink)
+    assert len(streamed) > 300, "what was streamed is not cut"
+    assert outcome.answer == truncate_text(streamed, 300)[0]
+    kept = outcome.answer[: outcome.answer.index("\n[")]
+    assert streamed.startswith(kept) and outcome.answer == kept + truncation_marker(len(streamed) - len(kept))
+    assert len(outcome.answer) <= 300
+    stored = decode_messages(outcome.snapshot or "", where="test")
+    response = next(m for m in stored if isinstance(m, ModelResponse))
+    assert "".join(p.content for p in response.parts if isinstance(p, TextPart)) == outcome.answer
+    assert outcome.truncated_parts >= 1
+
+
+async def test_a_model_error_never_carries_the_model_key() -> None:
+    key = "sk-test-0123456789abcdef0123"
+
+    async def fail_stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        raise ModelHTTPError(status_code=400, model_name="x", body={"error": f"bad key {key} (Authorization)"})
+        yield ""
+
+    outcome, _ = await run(FunctionModel(stream_function=fail_stream), secrets=(key,))
+    assert (outcome.status, outcome.code) == ("failed", "model_bad_request")
+    assert outcome.message and key not in outcome.message
+
+
+async def test_the_stream_writes_every_event_in_order_even_when_the_run_is_cancelled() -> None:
+    """The writer task is shielded: what the translator emitted before the cancel is all written."""
+    outcome, sink = await run(words_model(500, 0.002), cancel_after=0.1)
+    assert outcome.status == "cancelled"
+    assert text_of(sink) == outcome.answer

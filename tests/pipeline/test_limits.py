@@ -19,6 +19,7 @@ from pydantic_ai.messages import (
     ToolReturnPart,
     UserPromptPart,
 )
+
 from threadline.pipeline.limits import json_text, limit_jsonable, limit_messages, truncate_text, truncation_marker
 
 LIMITS = st.integers(min_value=0, max_value=300)

@@ -20,6 +20,7 @@ from pydantic_ai.messages import (
     UserPromptPart,
 )
 from pydantic_ai.tools import ToolDefinition
+
 from threadline.pipeline.mapping import SYSTEM_SEPARATOR, normalise_messages, normalise_tool_definitions
 
 # --- helpers --------------------------------------------------------------------------------------

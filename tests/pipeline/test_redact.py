@@ -8,6 +8,7 @@ import string
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+
 from threadline.pipeline.redact import contains_credential, is_secret_name, redact, redact_value
 
 OPENAI_KEY = "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7cDe0fGh3iJk6lMn9o"

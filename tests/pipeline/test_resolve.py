@@ -6,8 +6,15 @@ import json
 from typing import Any
 
 import pytest
+
 from threadline.pipeline.config import AgentConfig, expand_variables, parse_agent_config, whitelisted_settings
-from threadline.pipeline.contracts import extract_turn_id, parse_turn_request
+from threadline.pipeline.contracts import (
+    extract_conversation_id,
+    extract_turn_id,
+    new_conversation_id,
+    parse_turn_request,
+    valid_turn_id,
+)
 from threadline.pipeline.errors import Forbidden, InvalidRequest, SessionConfigurationChanged
 from threadline.pipeline.records import ConversationRecord
 from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
@@ -49,6 +56,14 @@ def test_request_from_json_text_or_object_and_turn_id_fallback() -> None:
         (request(schema="threadline.turn/v2"), "schema"),
         (request(surprise=1), "surprise"),
         (request(turn_id="has space"), "turn_id"),
+        (request(turn_id="a:b"), "turn_id"),
+        (request(turn_id="t" * 121), "turn_id"),
+        (request(conversation_id="c:1"), "conversation_id"),
+        (request(conversation_id="{c1}"), "conversation_id"),
+        (request(agent_id="bot:v:1"), "agent_id"),
+        (request(tenant_id="acme:other"), "tenant_id"),
+        (request(user_id="-leading-dash"), "user_id"),
+        (request(conversation_id="c1", parent_message_id="m:1"), "parent_message_id"),
         (request(invoke_from="draft"), "draft_id"),
         (request(deferred_tool_results={"calls": {"x": 1}}), "conversation_id"),
     ],
@@ -61,6 +76,22 @@ def test_bad_requests_are_invalid_with_a_clear_message(raw: object, message: str
 def test_turn_id_of_an_invalid_request_is_still_found() -> None:
     assert extract_turn_id(json.dumps({"turn_id": "t-9", "query": ""})) == "t-9"
     assert extract_turn_id("{oops") is None and extract_turn_id({"turn_id": "bad id"}) is None
+    assert extract_turn_id({"turn_id": "a:b"}) is None
+    assert extract_conversation_id({"conversation_id": "c-1", "query": ""}) == "c-1"
+    assert extract_conversation_id({"conversation_id": "c:1"}) is None
+
+
+def test_ids_name_no_other_key_and_a_first_turn_names_its_conversation() -> None:
+    """No id holds `:` or braces, so none can name another turn's or conversation's key; a turn id
+    is short enough that the conversation it starts, `c-<turn_id>`, is a valid id too."""
+    longest = "t" * 120
+    assert valid_turn_id(longest) == longest and valid_turn_id("t" * 121) is None
+    assert valid_turn_id("user@example.com_1.2-3") == "user@example.com_1.2-3"
+    assert valid_turn_id("tl:turn:x") is None and valid_turn_id(7) is None
+    assert new_conversation_id("t-1") == "c-t-1"
+    assert parse(request(conversation_id=new_conversation_id(longest))).conversation_id == f"c-{longest}"
+    first = resolve(request(turn_id="t-1"))[0]
+    assert first.conversation_id == "c-new" and first.new_conversation
 
 
 def test_new_conversation_uses_the_active_version_and_existing_one_keeps_its_own() -> None:
@@ -96,6 +127,18 @@ def test_existing_conversation_continues_from_the_tip_or_branches() -> None:
     assert resolve(request(conversation_id="c1"), conversation())[0].parent_message_id == "m9"
     assert resolve(request(conversation_id="c1", parent_message_id="m3"), conversation())[0].parent_message_id == "m3"
     assert resolve(request(conversation_id="c1", parent_message_id="root"), conversation())[0].parent_message_id is None
+
+
+def test_a_parent_outside_the_conversation_is_refused_before_anything_else() -> None:
+    """The shell looked the parent up in the conversation; a message of another conversation is
+    refused as bad input (the shell writes nothing before resolve succeeds)."""
+    foreign = request(conversation_id="c1", parent_message_id="m-of-c2")
+    with pytest.raises(InvalidRequest, match="not in this conversation"):
+        resolve_turn(parse(foreign), conversation=conversation(), config=CONFIG, config_ref="v2",
+                     new_conversation_id="c-new", now=100.0, parent_known=False)
+    known, _ = resolve_turn(parse(foreign), conversation=conversation(), config=CONFIG, config_ref="v2",
+                            new_conversation_id="c-new", now=100.0, parent_known=True)
+    assert known.parent_message_id == "m-of-c2"
 
 
 def test_scope_is_checked() -> None:

@@ -43,14 +43,19 @@ def _last_tool_return(messages: list[ModelMessage]) -> ToolReturnPart | None:
 
 
 def streaming(options: dict[str, Any]) -> FunctionModel:
-    """Streams `words` words, `delay_ms` apart, recording each chunk it yields and when it stops."""
+    """Streams `words` words, `delay_ms` apart, recording each chunk it yields and when it stops.
+    With `until` (a file path) it stops early, as soon as that file exists: a test holds the stream
+    open for as long as it needs, whatever the machine's load."""
     words = int(options.get("words", 50))
     delay = float(options.get("delay_ms", 20)) / 1000
+    until = options.get("until")
 
     async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
         _record(options, {"event": "request"})
         try:
             for i in range(words):
+                if until and Path(until).exists():
+                    break
                 chunk = f"w{i} "
                 _record(options, {"event": "chunk", "text": chunk})
                 yield chunk
@@ -132,7 +137,19 @@ def failing(options: dict[str, Any]) -> FunctionModel:
     return FunctionModel(stream_function=stream, model_name="test:failing")
 
 
+def broken(options: dict[str, Any]) -> FunctionModel:
+    """A factory with a bug: building the model raises a plain `RuntimeError` (not a Threadline
+    error), every time, so the model stage fails on every delivery of its message."""
+    _record(options, {"event": "build"})
+    raise RuntimeError("bug in the model factory")
+
+
 async def slow_tool(seconds: float = 30.0) -> str:
     """A tool that takes its time (tests cancel during it)."""
     await asyncio.sleep(seconds)
     return f"slept {seconds}s"
+
+
+async def long_text(chars: int = 1000) -> str:
+    """A tool whose result is as long as asked (tests of the stored size limit)."""
+    return "".join(str(i % 10) for i in range(chars))

@@ -8,15 +8,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from threadline.pipeline.config import AgentConfig
-from threadline.workers.client import Client
 
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.workers.test_outcomes import assert_one_terminal, python_model, records, wait_for_event
+from threadline.pipeline import events as ev
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.client import Client
 
 pytestmark = pytest.mark.integration
 
-ALL_QUEUES = ("resolve", "history", "map", "invoke", "persist", "control")
+ALL_QUEUES = (*DEFAULT_GRAPH.names, "control")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10) -> None:
@@ -40,8 +42,9 @@ def test_cancel_before_the_turn_is_enqueued_wins(workers: WorkerPool, client: Cl
     wait_until(flag_raised(client, turn_id))
     client.submit(turn(agent, "never runs", turn_id=turn_id))
     terminal = client.wait(turn_id, timeout_s=20)
-    assert (terminal["type"], terminal["code"]) == ("cancelled", "cancelled")
+    assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
     assert not records(record), "the model was never called"
+    assert_one_terminal(client, turn_id)
 
 
 @pytest.mark.parametrize("stage", ["resolve", "history", "map", "invoke"])
@@ -58,36 +61,41 @@ def test_a_turn_cancelled_while_queued_for_a_stage_never_reaches_the_model(
     turn_id = client.submit(turn(agent, "stop me"))
     if stage != "resolve":
         previous = ALL_QUEUES[ALL_QUEUES.index(stage) - 1]
-        wait_until(lambda: any(e["type"] == "stage" and e["stage"] == previous and e["status"] == "finished"
+        wait_until(lambda: any(isinstance(e, ev.StageEvent) and e.stage == previous and e.status == "finished"
                                for e in client.events(turn_id)))
     client.cancel(turn_id, "stop")
     wait_until(flag_raised(client, turn_id))
 
     isolated().start(processes=1, queues=(stage,))  # now someone serves the stage
     terminal = client.wait(turn_id, timeout_s=20)
-    assert (terminal["type"], terminal["code"]) == ("cancelled", "cancelled")
-    assert stage in terminal["message"]
+    assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
+    assert stage in terminal.message
     assert not records(record), "no model call"
     assert_one_terminal(client, turn_id)
+    # a turn cancelled after it was accepted names its conversation; before, none was made
+    assert (terminal.conversation_id is None) == (stage == "resolve")
+    assert not list(client.redis.scan_iter(f"{without.prefix}:turn:{turn_id}:art:*")), "artifacts are deleted"
 
     # the conversation (or a new one, if the turn never got one) goes on
-    follow_up = turn(agent, "and now?", conversation_id=terminal.get("conversation_id"))
+    follow_up = turn(agent, "and now?", conversation_id=terminal.conversation_id)
     after = client.wait(client.submit({**follow_up, "turn_id": uuid.uuid4().hex}), timeout_s=30)
-    assert after["type"] == "succeeded", after
+    assert isinstance(after, ev.Succeeded), after
     client.close()
 
 
 def test_cancel_after_the_end_is_a_noop(workers: WorkerPool, client: Client, make_agent: AgentFactory) -> None:
     agent = make_agent("offline:echo")
     terminal = client.wait(client.submit(turn(agent, "done already")), timeout_s=30)
-    before = list(client.events(terminal["turn_id"]))
-    assert client.cancel(terminal["turn_id"]) == "noop: succeeded"
+    assert isinstance(terminal, ev.Succeeded) and terminal.conversation_id is not None, terminal
+    before = list(client.events(terminal.turn_id))
+    assert client.cancel(terminal.turn_id) == "noop: succeeded"
     # a raw control message (no client-side check) is a no-op in the worker too
-    mid = client.enqueue("control", "cancel", (terminal["turn_id"], "late"))
-    wait_until(lambda: not client.redis.hexists(f"{client.namespace}:control.msgs", mid))
-    assert list(client.events(terminal["turn_id"])) == before
-    assert not client.redis.exists(client.keys.cancel_flag(terminal["turn_id"]))
-    assert client.thread(terminal["conversation_id"])[-1].status == "succeeded"
+    mid = client.enqueue("control", "cancel", (terminal.turn_id, "late"))
+    wait_until(lambda: not client.redis.hexists(client.keys.queue_messages("control"), mid))
+    assert list(client.events(terminal.turn_id)) == before
+    assert not client.redis.exists(client.keys.cancel_flag(terminal.turn_id))
+    assert client.turn_state(terminal.turn_id).status == "succeeded"
+    assert client.thread(terminal.conversation_id)[-1].status == "succeeded"
 
 
 def test_repeated_cancels_end_the_turn_once(workers: WorkerPool, client: Client, make_agent: AgentFactory) -> None:
@@ -97,8 +105,9 @@ def test_repeated_cancels_end_the_turn_once(workers: WorkerPool, client: Client,
     for _ in range(3):
         client.cancel(turn_id, "stop")
     terminal = client.wait(turn_id, timeout_s=20)
-    assert terminal["type"] == "cancelled"
-    time.sleep(0.3)
+    assert isinstance(terminal, ev.Cancelled), terminal
+    # every cancel message was handled before the check (the later ones find the turn ended)
+    wait_until(lambda: not client.redis.hlen(client.keys.queue_messages("control")))
     assert_one_terminal(client, turn_id)
 
 
@@ -108,20 +117,24 @@ def test_cancel_a_turn_waiting_behind_a_busy_conversation(
     record = tmp_path / "calls.jsonl"
     agent = make_agent(python_model("streaming", words=60, delay_ms=20, record=str(record)))
     first = client.wait(client.submit(turn(agent, "one")), timeout_s=30)
-    conversation = first["conversation_id"]
+    conversation = first.conversation_id
+    assert conversation is not None
     busy = client.submit(turn(agent, "two", conversation_id=conversation))
     wait_for_event(client, busy, "text_delta")
     waiting = client.submit(turn(agent, "three", conversation_id=conversation))
-    wait_until(lambda: client.turn_state(waiting).get("status") == "waiting")
+    wait_until(lambda: client.turn_state(waiting).status == "waiting")
     client.cancel(waiting, "not needed")
     cancelled = client.wait(waiting, timeout_s=10)
-    assert (cancelled["type"], cancelled["code"]) == ("cancelled", "cancelled")
-    assert client.turn_state(busy).get("status") == "running", "cancelled while the other turn still ran"
-    assert client.wait(busy, timeout_s=30)["type"] == "succeeded"
+    assert isinstance(cancelled, ev.Cancelled) and cancelled.code == "cancelled", cancelled
+    assert client.turn_state(busy).status == "running", "cancelled while the other turn still ran"
+    assert isinstance(client.wait(busy, timeout_s=30), ev.Succeeded)
     after = client.wait(client.submit(turn(agent, "four", conversation_id=conversation)), timeout_s=30)
-    assert after["type"] == "succeeded"
+    assert isinstance(after, ev.Succeeded), after
     assert [m.query for m in client.thread(conversation)] == ["one", "two", "four"]
     assert len([r for r in records(record) if r["event"] == "request"]) == 3
+    # nobody is left in the line, nor among the requests kept for waking
+    assert not client.redis.exists(client.keys.turn_queue(conversation))
+    assert not client.redis.exists(client.keys.waiting(conversation))
 
 
 def test_a_missed_notification_is_caught_by_the_flag_poll(
@@ -133,4 +146,4 @@ def test_a_missed_notification_is_caught_by_the_flag_poll(
     started = time.monotonic()
     client.redis.set(client.keys.cancel_flag(turn_id), "flag only, no broadcast", ex=600)
     terminal = client.wait(turn_id, timeout_s=20)
-    assert terminal["type"] == "cancelled" and time.monotonic() - started < 3
+    assert isinstance(terminal, ev.Cancelled) and time.monotonic() - started < 3, terminal

@@ -14,6 +14,7 @@ import dramatiq
 import pytest
 import structlog
 from dramatiq.brokers.stub import StubBroker
+
 from threadline.workers import logs
 from threadline.workers.logs import ContentFreeMessages, configure_logging, redact_secrets
 from threadline.workers.settings import Settings

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import redis
-from threadline.pipeline.config import AgentConfig
-from threadline.workers.client import Client
 
 from tests.conftest import WorkerPool, turn
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.client import Client
 
 pytestmark = pytest.mark.integration
 

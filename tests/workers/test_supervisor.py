@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 import redis
-from threadline.workers.worker import Supervisor
 
 from tests.conftest import ROOT, WorkerPool
+from threadline.workers.worker import Supervisor
 
 pytestmark = pytest.mark.integration
 

@@ -9,6 +9,7 @@ import concurrent.futures
 import dramatiq
 from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.middleware import Middleware
+
 from threadline.pipeline.stages import StageGraph
 from threadline.workers.control import CancelRegistry, CancelWatcher
 from threadline.workers.runtime import Runtime, RuntimeRef

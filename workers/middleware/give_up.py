@@ -14,6 +14,7 @@ import dramatiq
 import structlog
 from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.middleware import Middleware
+
 from threadline.pipeline.contracts import extract_turn_id, valid_turn_id
 from threadline.workers.runtime import RuntimeRef
 

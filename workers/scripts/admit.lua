@@ -2,14 +2,21 @@
 -- its request so that the turn before it can wake it, and run it now if it is first in line and
 -- the conversation is free; otherwise it waits.
 -- KEYS[1] turn   KEYS[2] cancel flag   KEYS[3] running turns   KEYS[4] conversation's line
--- KEYS[5] conversation's lease   KEYS[6] conversation's waiting requests
--- ARGV[1] JSON {turn_id, conversation_id, now, done (the admit stage's done marker)}
+-- KEYS[5] conversation's lease   KEYS[6] conversation's waiting requests   KEYS[7] admit queue's
+-- messages   KEYS[8] admit queue
+-- ARGV[1] JSON {turn_id, conversation_id, now, done (the admit stage's done marker), channel, queue}
 -- ARGV[2] the turn's request as a dramatiq message whose id is a placeholder (see finish.lua)
 -- Returns {'admitted', fence} | {'waiting', ahead} | {'terminal', status} | {'done'} | {'cancelled'}
 local turn = KEYS[1]
 local a = cjson.decode(ARGV[1])
 local status = redis.call('HGET', turn, 'status')
-if status and TERMINAL[status] then return {'terminal', status} end
+if status and TERMINAL[status] then
+  -- an ended turn submitted again (a producer retrying) must not stand in its conversation's line
+  if redis.call('ZREM', KEYS[4], a.turn_id) == 1 then
+    wake_next(KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], a.channel, a.queue, a.turn_id)
+  end
+  return {'terminal', status}
+end
 if redis.call('HEXISTS', turn, a.done) == 1 then return {'done'} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancelled'} end
 redis.call('ZADD', KEYS[4], 'NX', now_us(), a.turn_id)

@@ -36,17 +36,9 @@ if a.conversation_id ~= '' then
   redis.call('ZREM', KEYS[10], a.turn_id)
   redis.call('HDEL', KEYS[11], a.turn_id)
   if holder == a.turn_id then redis.call('HDEL', KEYS[9], 'turn') end
-  if redis.call('HEXISTS', KEYS[9], 'turn') == 0 then
-    local head = redis.call('ZRANGE', KEYS[10], 0, 0)[1]
-    if head then
-      local request = redis.call('HGET', KEYS[11], head)
-      if request then
-        local id = 'wake.' .. head .. '.' .. a.turn_id
-        enqueue(KEYS[13], KEYS[14], id, with_message_id(request, id), a.channel, a.admit_queue)
-      end
-    elseif redis.call('EXISTS', KEYS[6]) == 0 then
-      redis.call('DEL', KEYS[9])  -- no conversation and nobody waiting: leave nothing behind
-    end
+  local woken = wake_next(KEYS[10], KEYS[9], KEYS[11], KEYS[13], KEYS[14], a.channel, a.admit_queue, a.turn_id)
+  if not woken and redis.call('HEXISTS', KEYS[9], 'turn') == 0 and redis.call('EXISTS', KEYS[6]) == 0 then
+    redis.call('DEL', KEYS[9])  -- no conversation and nobody waiting: leave nothing behind
   end
 end
 return {'ok'}

@@ -32,3 +32,17 @@ local function with_message_id(message, id)
   message = string.gsub(message, '"message_id":"@@WAKE_ID@@"', '"message_id":"' .. id .. '"')
   return message
 end
+
+-- Wake the first turn waiting in a conversation's line when nobody holds the conversation: enqueue
+-- its kept request on the admit queue, under an id made of the waking and the woken turn.
+local function wake_next(line, lease, waiting, msgs, list, channel, queue, by)
+  if redis.call('HEXISTS', lease, 'turn') == 1 then return nil end
+  local head = redis.call('ZRANGE', line, 0, 0)[1]
+  if not head then return nil end
+  local request = redis.call('HGET', waiting, head)
+  if request then
+    local id = 'wake.' .. head .. '.' .. by
+    enqueue(msgs, list, id, with_message_id(request, id), channel, queue)
+  end
+  return head
+end

@@ -1,9 +1,13 @@
 -- A producer's enqueue of a turn: its place in its conversation's line by server time (submission
--- order holds from a conversation's first turn), the dramatiq message, and the doorbell.
--- KEYS[1] the queue's messages   KEYS[2] the queue   KEYS[3] the conversation's line
+-- order holds from a conversation's first turn), the dramatiq message, and the doorbell. A turn
+-- that already ended takes no place (a producer retrying its submission must not block the line).
+-- KEYS[1] the queue's messages   KEYS[2] the queue   KEYS[3] the conversation's line   KEYS[4] the turn
 -- ARGV[1] JSON {message_id, turn_id ("" = do not take a place in the line), channel, queue}
 -- ARGV[2] the dramatiq message
 local a = cjson.decode(ARGV[1])
-if a.turn_id ~= '' then redis.call('ZADD', KEYS[3], 'NX', now_us(), a.turn_id) end
+local status = redis.call('HGET', KEYS[4], 'status')
+if a.turn_id ~= '' and not (status and TERMINAL[status]) then
+  redis.call('ZADD', KEYS[3], 'NX', now_us(), a.turn_id)
+end
 enqueue(KEYS[1], KEYS[2], a.message_id, ARGV[2], a.channel, a.queue)
 return 1
