@@ -54,8 +54,22 @@ def _base_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool) 
         factory: Callable[[dict[str, Any]], Model] = import_object(spec.name)
         return factory(dict(spec.options))
     if spec.provider == "anthropic":
-        raise ThreadlineError("the anthropic provider is not installed on these workers", code="model_unavailable")
+        return _anthropic(spec, env)
     return _openai_chat(spec, env)
+
+
+def _anthropic(spec: ModelSpec, env: Mapping[str, str]) -> Model:
+    try:
+        from pydantic_ai.models.anthropic import AnthropicModel
+        from pydantic_ai.providers.anthropic import AnthropicProvider
+    except ImportError:
+        raise ThreadlineError("the anthropic provider is not installed on these workers: "
+                              "pip install 'threadline[anthropic]'", code="model_unavailable") from None
+    name = spec.api_key_env or "ANTHROPIC_API_KEY"
+    api_key = env.get(name, "")
+    if not api_key:
+        raise ThreadlineError(f"no API key in the worker's environment variable {name!r}", code="model_unavailable")
+    return AnthropicModel(spec.name, provider=AnthropicProvider(api_key=api_key, base_url=spec.base_url))
 
 
 def _openai_chat(spec: ModelSpec, env: Mapping[str, str]) -> Model:

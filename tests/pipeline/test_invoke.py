@@ -4,6 +4,7 @@ and an in-memory event sink; no Redis."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,8 @@ from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 from pydantic_ai.models.test import TestModel
 
 from threadline.pipeline import events
-from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.config import AgentConfig, ModelSpec
+from threadline.pipeline.errors import ThreadlineError
 from threadline.pipeline.history import decode_messages
 from threadline.pipeline.invoke import (
     InvokeOutcome,
@@ -298,3 +300,12 @@ async def test_the_stream_writes_every_event_in_order_even_when_the_run_is_cance
     outcome, sink = await run(words_model(500, 0.002), cancel_after=0.1)
     assert outcome.status == "cancelled"
     assert text_of(sink) == outcome.answer
+
+
+def test_an_anthropic_model_without_its_extra_names_the_extra_to_install() -> None:
+    spec = ModelSpec(provider="anthropic", name="claude-sonnet-4-5")
+    if importlib.util.find_spec("anthropic") is not None:
+        pytest.skip("the anthropic extra is installed here")
+    with pytest.raises(ThreadlineError, match=r"threadline\[anthropic\]") as caught:
+        build_model(spec, env={"ANTHROPIC_API_KEY": "k" * 20})
+    assert caught.value.code == "model_unavailable"
