@@ -106,6 +106,9 @@ class ModelSpec(_Doc):
     strict_system: bool = True
     #: Images in `files` go to the model natively; otherwise files are described as text.
     vision: bool = False
+    #: The tokenizer the history budget counts with: `tiktoken:cl100k_base`, `tiktoken:o200k_base`,
+    #: `hf:<path to tokenizer.json>` or `chars/4`; None: the provider's default (`workers/tokenizers.py`).
+    tokenizer: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     #: Offline and test models only: options passed to the model factory.
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -124,6 +127,9 @@ class ModelSpec(_Doc):
 class MemorySpec(_Doc):
     message_limit: Annotated[int, Field(gt=0, le=10000)] = 500
     safety_margin_tokens: Annotated[int, Field(ge=0)] = 256
+    #: Once the history overflows its budget, it is cut down to this share of the budget, so that the
+    #: kept prefix stays the same for the turns that follow (provider prompt caches).
+    low_water: Annotated[float, Field(gt=0, le=1)] = 0.7
 
 
 class AgentConfig(_Doc):

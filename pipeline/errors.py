@@ -70,3 +70,10 @@ class SessionConfigurationChanged(ThreadlineError):
 
 class SnapshotCorrupt(ThreadlineError):
     code: ErrorCode = "snapshot_corrupt"
+
+
+class ContextTooLarge(ThreadlineError):
+    """The fixed parts of a request (instructions, query, tools, the output reserve) exceed the
+    model's context window: no history can make it fit."""
+
+    code: ErrorCode = "context_too_large"

@@ -1,5 +1,5 @@
-"""Stage 2, history: extract the one path the model must see from a branching message tree, and
-assemble the pydantic-ai message history along it."""
+"""The history stage's logic: the one path the model must see through a branching message tree, the
+pydantic-ai messages along it, and which of its whole turns fit the token budget (`budget.py`)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,10 @@ from pydantic_ai.messages import (
 )
 from pydantic_core import ValidationError
 
+from .budget import BudgetParts, TurnCost, Window, choose_window
 from .errors import InvalidRequest, SnapshotCorrupt
 from .records import MessageRecord
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadDecision:
-    """How the history was assembled: the thread's length and where each message came from."""
-
-    messages: int
-    from_snapshots: int
-    from_text: int
+from .tokens import Tokenizer, count_messages
 
 
 def extract_thread(messages: Iterable[MessageRecord], start_id: str | None) -> tuple[list[MessageRecord], bool]:
@@ -69,21 +62,46 @@ def encode_messages(messages: Sequence[ModelMessage]) -> bytes:
     return ModelMessagesTypeAdapter.dump_json(list(messages))
 
 
-def assemble_history(
-    thread: Sequence[MessageRecord], snapshots: Mapping[str, Sequence[ModelMessage]]
-) -> tuple[list[ModelMessage], ThreadDecision]:
-    """Concatenate each thread message's stored pydantic-ai messages (agent path); a message with
-    none falls back to its stored query and answer text (classic path)."""
-    history: list[ModelMessage] = []
-    from_snapshots = from_text = 0
-    for record in thread:
-        stored = snapshots.get(record.id)
-        if stored:
-            history.extend(stored)
-            from_snapshots += 1
-        elif record.status == "succeeded" and record.answer:
-            history.append(ModelRequest(parts=[UserPromptPart(record.query)]))
-            history.append(ModelResponse(parts=[TextPart(record.answer)]))
-            from_text += 1
-    decision = ThreadDecision(len(thread), from_snapshots, from_text)
-    return history, decision
+def turn_messages(record: MessageRecord, snapshot: bytes | str | None) -> list[ModelMessage]:
+    """The pydantic-ai messages one stored turn adds to the history: its snapshot (agent path), or
+    its query and answer text (classic path; nothing for a turn without an answer)."""
+    if snapshot:
+        return decode_messages(snapshot, where=f"message {record.id}")
+    if record.status == "succeeded" and record.answer:
+        return [ModelRequest(parts=[UserPromptPart(record.query)]), ModelResponse(parts=[TextPart(record.answer)])]
+    return []
+
+
+def count_turn(record: MessageRecord, snapshot: bytes | str | None, tokenizer: Tokenizer) -> int:
+    """What one stored turn costs in the history, 4 tokens per message included."""
+    return count_messages(turn_messages(record, snapshot), tokenizer)
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadRead:
+    """What the shell read for the history stage: the newest turns of the thread, walked back from
+    the turn's parent until they overflow the budget (and reach the start the parent kept)."""
+
+    #: Oldest first; the oldest may not be the root (`complete` says).
+    rows: list[MessageRecord]
+    snapshots: Mapping[str, bytes]
+    #: Tokens per row, counted with `tokenizer` (cached with the conversation).
+    counts: Mapping[str, int]
+    complete: bool
+    #: The oldest turn the parent's request kept, to keep the same prefix while it fits.
+    previous_start: str | None
+    budget: BudgetParts
+    tokenizer: str
+
+
+def budgeted_history(read: ThreadRead, *, low_water: float) -> tuple[list[ModelMessage], Window]:
+    """The messages of the newest whole turns that fit the budget, and the window they form."""
+    costs = [TurnCost(r.id, read.counts[r.id]) for r in read.rows]
+    window = choose_window(costs, budget=read.budget.history, previous_start=read.previous_start,
+                           low_water=low_water)
+    kept = set(window.kept)
+    messages: list[ModelMessage] = []
+    for record in read.rows:
+        if record.id in kept:
+            messages.extend(turn_messages(record, read.snapshots.get(record.id)))
+    return messages, window

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .history import assemble_history, decode_messages, encode_messages
+from .history import ThreadRead, budgeted_history, decode_messages, encode_messages
 from .mapping import normalise_messages
 from .records import ResolvedTurn
 
@@ -115,11 +115,20 @@ class StageGraph:
 
 
 def history_stage(given: StageInput) -> StageOutput:
-    """The thread's stored pydantic-ai messages, in order (the shell loads the thread)."""
-    thread, truncated, snapshots = given.loaded["thread"]
-    decoded = {mid: decode_messages(data, where=f"message {mid}") for mid, data in snapshots.items()}
-    messages, decision = assemble_history(thread, decoded)
-    record = {**dataclasses.asdict(decision), "truncated_by_read_bound": truncated, "messages_out": len(messages)}
+    """The newest whole turns of the thread that fit the token budget (the shell reads the thread)."""
+    read: ThreadRead = given.loaded["thread"]
+    messages, window = budgeted_history(read, low_water=given.turn.config.memory.low_water)
+    budget = read.budget
+    record = {
+        "tokenizer": read.tokenizer,
+        "budget": {**dataclasses.asdict(budget), "history": budget.history},
+        "window": {"reason": window.reason, "start": window.start, "kept_turns": len(window.kept),
+                   "kept_tokens": window.tokens, "dropped_turns": len(window.dropped),
+                   "dropped_tokens": window.dropped_tokens,
+                   "dropped": window.dropped[-20:]},
+        "read": {"turns": len(read.rows), "complete": read.complete},
+        "messages_out": len(messages),
+    }
     return StageOutput(encode_messages(messages).decode(), record)
 
 

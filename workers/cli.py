@@ -134,6 +134,39 @@ def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_turn_show(args: argparse.Namespace, settings: Settings) -> int:
+    """What a turn decided at each stage: the budget, the turns kept and dropped, the tokenizer."""
+    url, _ = connect(settings)
+    client = Client(url, prefix=settings.prefix)
+    state = client.turn_state(args.turn_id)
+    decisions = client.decisions(args.turn_id, conversation_id=args.conversation)
+    if not state.status and not decisions:
+        print(f"threadline: turn {args.turn_id} not found (ended turns are kept {settings.turn_ttl_s} s; "
+              "pass --conversation for an older one)", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps({"turn_id": args.turn_id, "status": state.status or None, "decisions": decisions}))
+        return 0
+    print(f"turn {args.turn_id}: {state.status or 'expired'}"
+          + (f", conversation {state.conversation_id}" if state.conversation_id else ""))
+    for stage, decision in decisions.items():
+        print(f"\n[{stage}]")
+        if "budget" in decision and "window" in decision:
+            print(describe_budget(decision))
+        print(json.dumps(decision, indent=2))
+    return 0
+
+
+def describe_budget(decision: dict[str, Any]) -> str:
+    """One paragraph on why the model saw the history it saw."""
+    b, w = decision["budget"], decision["window"]
+    return (f"history budget {b['history']} tokens of a {b['context_window']}-token window (instructions "
+            f"{b['instructions']}, query {b['query']}, tools {b['tools']}, output {b['max_output']}, margin "
+            f"{b['safety_margin']}); kept {w['kept_turns']} turns ({w['kept_tokens']} tokens), dropped "
+            f"{w['dropped_turns']} ({w['dropped_tokens']} tokens): {w['reason']}; counted with "
+            f"{decision['tokenizer']}")
+
+
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from .demo import run_demo
 
@@ -184,6 +217,13 @@ def parser() -> argparse.ArgumentParser:
     thread = sub.add_parser("thread", help="print a conversation's thread")
     thread.add_argument("conversation_id")
     thread.set_defaults(func=cmd_thread)
+
+    turn = sub.add_parser("turn", help="inspect a turn").add_subparsers(dest="turn", required=True)
+    show = turn.add_parser("show", help="what a turn decided: budget, turns kept and dropped, tokenizer")
+    show.add_argument("turn_id")
+    show.add_argument("--conversation", help="the turn's conversation (needed once its record expired)")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=cmd_turn_show)
     return p
 
 

@@ -6,6 +6,7 @@ It enqueues exactly what the README tells any other producer to write with raw R
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -143,6 +144,15 @@ class Client:
             if isinstance(event, Terminal):
                 return event
         raise TimeoutError(turn_id)
+
+    def decisions(self, turn_id: str, *, conversation_id: str | None = None) -> dict[str, dict[str, Any]]:
+        """The decision records the turn's stages stored with its message, by stage."""
+        cid = conversation_id or self.turn_state(turn_id).conversation_id
+        if not cid:
+            return {}
+        names = list(DEFAULT_GRAPH.names)
+        values = self.redis.hmget(self.keys.decisions(cid), [f"{turn_id}:{name}" for name in names])
+        return {name: json.loads(v) for name, v in zip(names, values, strict=True) if v is not None}
 
     def turn_state(self, turn_id: str) -> TurnState:
         return TurnState.from_hash(text_map(self.redis.hgetall(self.keys.turn(turn_id))))

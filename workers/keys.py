@@ -48,6 +48,14 @@ class Keys:
         """Hash: message id -> the pydantic-ai messages that turn added (JSON)."""
         return f"{self.prefix}:conv:{{{conversation_id}}}:snaps"
 
+    def token_counts(self, conversation_id: str) -> str:
+        """Hash: `<message id>|<tokenizer>` -> the tokens that turn costs in a history (counted once)."""
+        return f"{self.prefix}:conv:{{{conversation_id}}}:tokens"
+
+    def decisions(self, conversation_id: str) -> str:
+        """Hash: `<message id>:<stage>` -> the stage's decision record for that turn (JSON)."""
+        return f"{self.prefix}:conv:{{{conversation_id}}}:decisions"
+
     def turn_queue(self, conversation_id: str) -> str:
         """Sorted set: turns of this conversation, by submission time; the head runs."""
         return f"{self.prefix}:conv:{{{conversation_id}}}:turns"

@@ -5,21 +5,84 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from threadline.pipeline.history import extract_thread
-from threadline.pipeline.records import ResolvedTurn
+from threadline.pipeline.budget import history_budget
+from threadline.pipeline.history import ThreadRead, count_turn
+from threadline.pipeline.invoke import run_instructions, user_prompt
+from threadline.pipeline.records import MessageRecord, ResolvedTurn
+from threadline.pipeline.tokens import MESSAGE_OVERHEAD_TOKENS, Tokenizer, count_tool_definitions
 
-from .store import Store
+from .models import build_tools
+from .runtime import Runtime
+from .tokenizers import load_tokenizer
 
-Loader = Callable[[Store, ResolvedTurn], Awaitable[Any]]
+Loader = Callable[[Runtime, ResolvedTurn, str], Awaitable[Any]]
+
+#: Rows read per round trip while walking a thread back from its newest turn.
+READ_BATCH = 100
 
 
-async def load_thread(store: Store, turn: ResolvedTurn) -> Any:
-    """The thread root → parent (a bounded read of the newest rows), whether the bound cut it, and
-    its stored snapshots (raw JSON by message id)."""
-    recent = await store.load_recent_messages(turn.conversation_id, turn.config.memory.message_limit)
-    thread, truncated = extract_thread(recent, turn.parent_message_id)
-    snapshots = await store.load_snapshots(turn.conversation_id, [m.id for m in thread])
-    return thread, truncated, snapshots
+def _text_tokens(text: str | None, tokenizer: Tokenizer) -> int:
+    return tokenizer.count(text) + MESSAGE_OVERHEAD_TOKENS if text else 0
+
+
+async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead:
+    """The thread's newest turns, walked back from the turn's parent (never read by a row count from
+    the conversation's newest message, so a branch from any old message sees its own thread), until
+    they overflow the history budget and pass the start the parent's request kept; with their token
+    counts, counted once per turn and tokenizer and cached with the conversation."""
+    spec = turn.config.model
+    tokenizer = load_tokenizer(spec.tokenizer, spec.provider)
+    tools = build_tools(turn.config.tools, allow_python=rt.settings.allow_python_models)
+    prompt = user_prompt(turn, vision=False)
+    query = prompt if isinstance(prompt, str) else " ".join(p for p in prompt or () if isinstance(p, str))
+    budget = history_budget(
+        context_window=spec.context_window, max_output=spec.max_output_tokens,
+        safety_margin=turn.config.memory.safety_margin_tokens,
+        instructions=_text_tokens(run_instructions(turn), tokenizer), query=_text_tokens(query, tokenizer),
+        tools=count_tool_definitions([t.tool_def for t in tools], tokenizer),
+    )
+    store, cid = rt.store, turn.conversation_id
+    previous_start = None
+    if turn.parent_message_id is not None:
+        decided = await store.decision(cid, turn.parent_message_id, stage)
+        previous_start = decided.get("window", {}).get("start") if decided else None
+    rows: list[MessageRecord] = []
+    counts: dict[str, int] = {}
+    used, passed_start, current = 0, previous_start is None, turn.parent_message_id
+    limit = turn.config.memory.message_limit
+    async for batch in store.walk_back(cid, current, batch=READ_BATCH):
+        by_id = {r.id: r for r in batch}
+        chain: list[MessageRecord] = []
+        while current is not None and current in by_id:
+            chain.append(by_id[current])
+            current = by_id[current].parent_id
+        counts.update(await _counts(rt, cid, chain, tokenizer))
+        for record in chain:
+            rows.append(record)
+            used += counts[record.id]
+            passed_start = passed_start or record.id == previous_start
+            if (used > budget.history and passed_start) or len(rows) >= limit:
+                current = None
+                break
+        if current is None:
+            break
+    rows.reverse()
+    snapshots = await store.load_snapshots(cid, [r.id for r in rows])
+    return ThreadRead(rows=rows, snapshots=snapshots, counts=counts, complete=not rows or rows[0].parent_id is None,
+                      previous_start=previous_start, budget=budget, tokenizer=tokenizer.name)
+
+
+async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: Tokenizer) -> dict[str, int]:
+    """Token counts of `chain`'s turns: cached ones read, the others counted once and cached."""
+    ids = [r.id for r in chain]
+    counts = await rt.store.token_counts(cid, ids, tokenizer.name)
+    missing = [r for r in chain if r.id not in counts]
+    if missing:
+        snapshots = await rt.store.load_snapshots(cid, [r.id for r in missing])
+        fresh = {r.id: count_turn(r, snapshots.get(r.id), tokenizer) for r in missing}
+        await rt.store.save_token_counts(cid, fresh, tokenizer.name)
+        counts.update(fresh)
+    return counts
 
 
 LOADERS: dict[str, Loader] = {"thread": load_thread}

@@ -121,7 +121,7 @@ async def _hand_over(rt: Runtime, stage: Stage, s: Started, artifact: str,
     await rt.store.advance(
         s.env.turn_id, stage.name, next_=Next(following.name, arg, rt.new_id()), now=rt.now(), now_ms=rt.now_ms(),
         artifact=artifact, events_=[_finished(s, stage, decision)], fence=s.begin.fence,
-        conversation_id=s.turn.conversation_id,
+        conversation_id=s.turn.conversation_id, decision=decision,
     )
 
 
@@ -133,7 +133,7 @@ async def run_transform(rt: Runtime, stage: Stage, envelope: object) -> None:
         return
     assert stage.run is not None
     try:
-        loaded = {need: await LOADERS[need](rt.store, s.turn) for need in stage.needs}
+        loaded = {need: await LOADERS[need](rt, s.turn, stage.name) for need in stage.needs}
         out = stage.run(StageInput(s.turn, s.begin.previous, loaded))
     except ThreadlineError as e:
         await rt.end_turn(env.turn_id, "failed", code=e.code, message=e.message, resolved=s.turn)

@@ -4,7 +4,7 @@ every write that must hang together is one of the scripts in `scripts/`, one typ
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -154,8 +154,10 @@ class Store:
     async def advance(
         self, turn_id: str, stage: str, *, next_: Next, now: float, now_ms: int, artifact: str,
         events_: Sequence[events.Event] = (), fence: str = "", conversation_id: str = "", accept: Accept | None = None,
+        decision: Mapping[str, Any] | None = None,
     ) -> str:
-        """Finish `stage` and enqueue `next_` in one atomic step; see advance.lua."""
+        """Finish `stage` and enqueue `next_` in one atomic step; see advance.lua. `decision` is stored
+        with the turn's message, for the record and for the next turn (`Store.decision`)."""
         k = self.keys
         queue, message_id, data = self._message(next_, now_ms)
         cid = conversation_id or "-"
@@ -165,10 +167,13 @@ class Store:
             fields["accept"] = {"conversation": conversation_to_hash(accept.conversation),
                                 "deadline_at": repr(accept.deadline_at), "message_id": accept.row.id}
             row = accept.row.model_dump_json()
+        if decision:
+            fields["decision"] = json.dumps(decision, separators=(",", ":"))
         reply = await self._run(
             "advance",
             [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, stage), k.running(), k.lease(cid),
-             k.conversation(cid), k.messages(cid), k.message_order(cid), k.queue_messages(queue), k.queue(queue)],
+             k.conversation(cid), k.messages(cid), k.message_order(cid), k.queue_messages(queue), k.queue(queue),
+             k.decisions(cid)],
             lua.payload(stage=stage, turn_id=turn_id, fence=fence, now=now,
                             artifact_ttl_ms=self.settings.artifact_ttl_s * 1000, next_id=message_id,
                             next_queue=queue, channel=k.doorbell_channel(),
@@ -312,6 +317,43 @@ class Store:
         if data is None:
             raise AgentNotFound(f"agent {agent_id!r} has no version {version}")
         return config_from_json(data), f"v{version}"
+
+    async def walk_back(self, conversation_id: str, from_id: str | None, *,
+                        batch: int) -> AsyncIterator[list[MessageRecord]]:
+        """Message rows from `from_id` back to the conversation's first, newest first, `batch` at a
+        time (a parent is always older than its children, so a thread walked back from any message
+        is found in these rows, in order)."""
+        if from_id is None:
+            return
+        k = self.keys
+        score = await self.redis.zscore(k.message_order(conversation_id), from_id)
+        if score is None:
+            return
+        offset = 0
+        while True:
+            raw = cast(list[bytes], await self.redis.zrevrangebyscore(
+                k.message_order(conversation_id), score, "-inf", start=offset, num=batch))
+            if not raw:
+                return
+            offset += len(raw)
+            rows = await self.redis.hmget(k.messages(conversation_id), [text(i) for i in raw])
+            yield [MessageRecord.model_validate_json(r) for r in rows if r is not None]
+
+    async def token_counts(self, conversation_id: str, message_ids: Sequence[str], tokenizer: str) -> dict[str, int]:
+        if not message_ids:
+            return {}
+        values = await self.redis.hmget(self.keys.token_counts(conversation_id),
+                                        [f"{mid}|{tokenizer}" for mid in message_ids])
+        return {mid: int(v) for mid, v in zip(message_ids, values, strict=True) if v is not None}
+
+    async def save_token_counts(self, conversation_id: str, counts: dict[str, int], tokenizer: str) -> None:
+        await self.redis.hset(self.keys.token_counts(conversation_id),
+                              mapping={f"{mid}|{tokenizer}": n for mid, n in counts.items()})
+
+    async def decision(self, conversation_id: str, message_id: str, stage: str) -> dict[str, Any] | None:
+        """The decision record `stage` stored for a turn (`advance.lua`), or None."""
+        raw = await self.redis.hget(self.keys.decisions(conversation_id), f"{message_id}:{stage}")
+        return cast(dict[str, Any], json.loads(raw)) if raw else None
 
     async def load_recent_messages(self, conversation_id: str, limit: int) -> list[MessageRecord]:
         """The newest `limit` message rows of a conversation, newest first (a bounded read)."""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
 
 from threadline.pipeline.errors import InvalidRequest, SnapshotCorrupt
-from threadline.pipeline.history import assemble_history, decode_messages, encode_messages, extract_thread
+from threadline.pipeline.history import decode_messages, encode_messages, extract_thread, turn_messages
 from threadline.pipeline.records import MessageRecord
 
 
@@ -101,11 +101,12 @@ def test_assembly_uses_stored_messages_and_falls_back_to_text() -> None:
     stored = [ModelRequest(parts=[UserPromptPart("q-a")]), ModelResponse(parts=[TextPart("stored answer")])]
     thread = [msg("a", None), msg("b", "a", query="imported", answer="old text"),
               msg("c", "b", status="failed", answer="")]
-    history, decision = assemble_history(thread, {"a": stored})
+    snapshots = {"a": encode_messages(stored)}
+    history = [m for record in thread for m in turn_messages(record, snapshots.get(record.id))]
     assert history[:2] == stored
     assert [type(m).__name__ for m in history[2:]] == ["ModelRequest", "ModelResponse"]
     assert history[2].parts[0].content == "imported"  # type: ignore[union-attr]
-    assert (decision.from_snapshots, decision.from_text) == (1, 1)  # a failed turn with nothing stored adds nothing
+    assert turn_messages(thread[2], None) == []  # a failed turn with nothing stored adds nothing
 
 
 def test_stored_messages_round_trip_and_corruption_is_a_stable_error() -> None:

@@ -17,9 +17,10 @@ from pydantic_ai.messages import (
     UserPromptPart,
 )
 
+from threadline.pipeline.budget import BudgetParts
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.errors import SnapshotCorrupt
-from threadline.pipeline.history import decode_messages, encode_messages
+from threadline.pipeline.history import ThreadRead, decode_messages, encode_messages
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
 from threadline.pipeline.stages import (
     DEFAULT_GRAPH,
@@ -99,28 +100,51 @@ def test_a_malformed_graph_is_refused(stages: list[Stage], message: str) -> None
 # --- history --------------------------------------------------------------------------------------
 
 
+def read(rows: list[MessageRecord], snapshots: dict[str, bytes], *, history_budget: int = 10_000,
+         previous_start: str | None = None, counts: dict[str, int] | None = None) -> ThreadRead:
+    """What the shell would have read: `rows` oldest first, each turn costing 100 tokens."""
+    fixed = BudgetParts(context_window=history_budget + 1000, max_output=1000, safety_margin=0, instructions=0,
+                        query=0, tools=0)
+    return ThreadRead(rows=rows, snapshots=snapshots, counts=counts or {r.id: 100 for r in rows},
+                      complete=not rows or rows[0].parent_id is None, previous_start=previous_start,
+                      budget=fixed, tokenizer="chars/4")
+
+
 def test_history_concatenates_the_stored_messages_of_the_thread_in_order() -> None:
     first, second = stored("q-t1", "a-t1"), stored("q-t2", "a-t2")
     snapshots = {"t1": encode_messages(first), "t2": encode_messages(second), "other": encode_messages(second)}
     thread_ = [row("t1", None, at=1), row("t2", "t1", at=2)]
-    out = history_stage(StageInput(resolved(), "", {"thread": (thread_, False, snapshots)}))
+    out = history_stage(StageInput(resolved(), "", {"thread": read(thread_, snapshots)}))
     messages = decode_messages(out.artifact, where="test")
     assert messages == [*first, *second]
-    assert out.decision == {"messages": 2, "from_snapshots": 2, "from_text": 0,
-                            "truncated_by_read_bound": False, "messages_out": 4}
+    assert out.decision["window"]["reason"] == "all_fit" and out.decision["window"]["kept_turns"] == 2
+    assert out.decision["tokenizer"] == "chars/4" and out.decision["budget"]["history"] == 10_000
+    assert out.decision["read"] == {"turns": 2, "complete": True} and out.decision["messages_out"] == 4
 
 
-def test_history_falls_back_to_text_and_says_when_the_read_bound_cut_the_thread() -> None:
+def test_history_falls_back_to_text_and_says_when_the_read_did_not_reach_the_root() -> None:
     thread_ = [row("t2", "t1", answer="old answer")]
-    out = history_stage(StageInput(resolved(), "", {"thread": (thread_, True, {})}))
+    out = history_stage(StageInput(resolved(), "", {"thread": read(thread_, {})}))
     messages = decode_messages(out.artifact, where="test")
     assert messages[0].parts[0].content == "q-t2"  # type: ignore[union-attr]
-    assert out.decision["from_text"] == 1 and out.decision["truncated_by_read_bound"] is True
+    assert out.decision["read"]["complete"] is False
+
+
+def test_history_keeps_the_newest_whole_turns_that_fit_and_records_what_it_dropped() -> None:
+    rows = [row(f"t{i}", f"t{i - 1}" if i > 1 else None, at=i, answer=f"a{i}") for i in range(1, 6)]
+    out = history_stage(StageInput(resolved(), "", {"thread": read(rows, {}, history_budget=300)}))
+    window = out.decision["window"]
+    # 500 tokens > 300: down to the low-water mark (0.7 x 300 = 210): the two newest turns
+    assert (window["reason"], window["kept_turns"], window["start"]) == ("pruned_to_low_water", 2, "t4")
+    assert window["dropped"] == ["t1", "t2", "t3"] and window["dropped_tokens"] == 300
+    users = [p.content for m in decode_messages(out.artifact, where="test") if isinstance(m, ModelRequest)
+             for p in m.parts if isinstance(p, UserPromptPart)]
+    assert users == ["q-t4", "q-t5"]
 
 
 def test_a_corrupt_snapshot_is_a_stable_error_naming_its_message() -> None:
     thread_ = [row("t1", None)]
-    given = StageInput(resolved(parent_message_id="t1"), "", {"thread": (thread_, False, {"t1": b"[{"})})
+    given = StageInput(resolved(parent_message_id="t1"), "", {"thread": read(thread_, {"t1": b"[{"})})
     with pytest.raises(SnapshotCorrupt, match="message t1"):
         history_stage(given)
 

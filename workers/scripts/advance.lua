@@ -4,9 +4,12 @@
 -- KEYS[1] turn   KEYS[2] events   KEYS[3] this stage's artifact   KEYS[4] running turns
 -- KEYS[5] conversation's lease   KEYS[6] conversation   KEYS[7] conversation's messages
 -- KEYS[8] conversation's message order   KEYS[9] next queue's messages   KEYS[10] next queue
+-- KEYS[11] conversation's decision records
 -- ARGV[1] JSON {stage, turn_id, fence ("" = not checked), now, artifact_ttl_ms, next_id,
 --               next_queue, channel, events: [event...],
---               accept (absent, or {conversation: {field: value}, deadline_at, message_id})}
+--               accept (absent, or {conversation: {field: value}, deadline_at, message_id}),
+--               decision (absent, or the stage's decision record as JSON text, kept under
+--               "<message id = turn id>:<stage>")}
 -- ARGV[2] the artifact   ARGV[3] the next stage's message   ARGV[4] the pending message row
 -- Returns 'ok' | 'terminal' | 'done' | 'stale'
 local turn, events = KEYS[1], KEYS[2]
@@ -29,6 +32,7 @@ if a.accept then
   end
   redis.call('HSET', turn, 'message_id', a.accept.message_id)
 end
+if a.decision then redis.call('HSET', KEYS[11], a.turn_id .. ':' .. a.stage, a.decision) end
 redis.call('HSET', turn, 'done:' .. a.stage, a.now)
 redis.call('ZADD', KEYS[4], a.now, a.turn_id)
 redis.call('SET', KEYS[3], ARGV[2], 'PX', a.artifact_ttl_ms)
