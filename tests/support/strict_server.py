@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -84,11 +84,16 @@ class StrictChatServer:
     """`POST /v1/chat/completions` on 127.0.0.1 and a free port, in a background thread."""
 
     def __init__(
-        self, *, tool_name: str | None = None, tool_arguments: str = "{}", model: str = "qwen3.6"
+        self, *, tool_name: str | None = None, tool_arguments: str = "{}", model: str = "qwen3.6",
+        tool_when: Callable[[str], bool] | None = None, text_for: Callable[[str], str] | None = None,
     ) -> None:
+        """`tool_when(last user text)` says whether to call a tool (None: whenever tools are offered);
+        `text_for(last user text)` is the text answer (None: "You said: ..." or "The tool said: ...")."""
         self.tool_name = tool_name
         self.tool_arguments = tool_arguments
         self.model = model
+        self.tool_when = tool_when
+        self.text_for = text_for
         self.exchanges: list[Exchange] = []
         self._lock = threading.Lock()
         self._calls = 0
@@ -146,12 +151,14 @@ class StrictChatServer:
     def _script(self, body: dict[str, Any], messages: list[dict[str, Any]], call_id: str) -> Reply:
         last = messages[-1]
         offered = [t["function"]["name"] for t in body.get("tools") or [] if t.get("type") == "function"]
-        if last.get("role") == "user" and offered:
+        users = [message_text(m) for m in messages if m.get("role") == "user"]
+        if last.get("role") == "user" and offered and (self.tool_when is None or self.tool_when(users[-1])):
             return Reply(tool_name=self.tool_name or offered[0], tool_call_id=call_id,
                          arguments=self.tool_arguments)
+        if self.text_for is not None:
+            return Reply(text=self.text_for(users[-1]))
         if last.get("role") == "tool":
             return Reply(text=f"The tool said: {message_text(last)}")
-        users = [message_text(m) for m in messages if m.get("role") == "user"]
         return Reply(text=f"You said: {users[-1]}")
 
 
