@@ -17,8 +17,8 @@ from .tokenizers import load_tokenizer
 
 Loader = Callable[[Runtime, ResolvedTurn, str], Awaitable[Any]]
 
-#: Rows read per round trip while walking a thread back from its newest turn.
-READ_BATCH = 100
+#: Rows read by the first round trip while walking a thread back from its newest turn (it doubles).
+READ_BATCH = 32
 
 
 def _text_tokens(text: str | None, tokenizer: Tokenizer) -> int:

@@ -320,9 +320,9 @@ class Store:
 
     async def walk_back(self, conversation_id: str, from_id: str | None, *,
                         batch: int) -> AsyncIterator[list[MessageRecord]]:
-        """Message rows from `from_id` back to the conversation's first, newest first, `batch` at a
-        time (a parent is always older than its children, so a thread walked back from any message
-        is found in these rows, in order)."""
+        """Message rows from `from_id` back to the conversation's first, newest first, `batch` at first
+        and twice as many each round trip (a parent is always older than its children, so a thread
+        walked back from any message is found in these rows, in order)."""
         if from_id is None:
             return
         k = self.keys
@@ -336,6 +336,7 @@ class Store:
             if not raw:
                 return
             offset += len(raw)
+            batch = min(batch * 2, 512)  # a short walk stays short; a long one takes few round trips
             rows = await self.redis.hmget(k.messages(conversation_id), [text(i) for i in raw])
             yield [MessageRecord.model_validate_json(r) for r in rows if r is not None]
 
