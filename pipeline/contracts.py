@@ -85,7 +85,8 @@ class TurnRequest(_Wire):
         return self.deferred_tool_results is not None
 
 
-def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: int) -> TurnRequest:
+def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: int,
+                       max_context_chars: int = 200_000) -> TurnRequest:
     """Validate a producer's turn request (a JSON object or its text), or raise `InvalidRequest`.
 
     `fallback_turn_id` names the turn when the producer gave none: the queue message id, so a
@@ -105,6 +106,8 @@ def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: i
         raise InvalidRequest("query is empty")
     if len(request.query) > max_query_chars:
         raise InvalidRequest(f"query is {len(request.query)} characters; the limit is {max_query_chars}")
+    if request.context is not None and len(request.context) > max_context_chars:
+        raise InvalidRequest(f"context is {len(request.context)} characters; the limit is {max_context_chars}")
     if request.invoke_from == "draft" and request.draft_id is None:
         raise InvalidRequest("invoke_from 'draft' needs a draft_id")
     return request

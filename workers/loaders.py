@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -79,7 +80,8 @@ async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: 
     missing = [r for r in chain if r.id not in counts]
     if missing:
         snapshots = await rt.store.load_snapshots(cid, [r.id for r in missing])
-        fresh = {r.id: count_turn(r, snapshots.get(r.id), tokenizer) for r in missing}
+        # counting is CPU work: off the event loop, so the process's other turns keep streaming
+        fresh = await asyncio.to_thread(lambda: {r.id: count_turn(r, snapshots.get(r.id), tokenizer) for r in missing})
         await rt.store.save_token_counts(cid, fresh, tokenizer.name)
         counts.update(fresh)
     return counts

@@ -251,7 +251,8 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
     try:
         if isinstance(request, Malformed):
             raise InvalidRequest("a turn message carries exactly one argument: the turn request")
-        req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=rt.settings.max_query_chars)
+        req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=rt.settings.max_query_chars,
+                                 max_context_chars=rt.settings.max_context_chars)
     except ThreadlineError as e:
         # a producer may have put the turn in its conversation's line: take it out again
         cid = extract_conversation_id(request) or new_conversation_id(turn_id)

@@ -35,6 +35,7 @@ class Settings:
     #: and for cancels; no invoke waits in a local buffer while a thread could run it. None: threads // 2.
     invoke_prefetch: int | None = None
     max_query_chars: int = 32_000
+    max_context_chars: int = 200_000
     #: Answers, tool arguments and tool results longer than this are stored truncated, with a marker.
     max_text_chars: int = 100_000
     #: Upper bound for an idle consumer's sleep between polls; a doorbell wakes it sooner.
@@ -79,6 +80,7 @@ class Settings:
             threads=_int(env, "TL_THREADS", 8),
             invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 0) or None,
             max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000),
+            max_context_chars=_int(env, "TL_MAX_CONTEXT_CHARS", 200_000),
             max_text_chars=_int(env, "TL_MAX_TEXT_CHARS", 100_000),
             idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000),
             delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000),

@@ -597,16 +597,15 @@ def unknown_actor(h: Hostile, uid: str) -> Sent:
     return Sent(message_id=mid)
 
 
-def context_5mb(h: Hostile, uid: str) -> Sent:
-    """No limit applies to `context` on the way in (TL_MAX_QUERY_CHARS is the query's); what is
-    stored is bounded by TL_MAX_TEXT_CHARS (100,000): the echo of 5 MB comes back truncated."""
+def context_over_the_window(h: Hostile, uid: str) -> Sent:
+    """A `context` within TL_MAX_CONTEXT_CHARS but over the model's token window: the turn fails
+    `context_too_large` in its history stage, before any model call (no answer, no snapshot)."""
     tid = f"t-{uid}"
-    h.raw("resolve", [request(tid, query="short", context="c" * 5_000_000)], mid=f"m-{uid}")
+    h.raw("resolve", [request(tid, query="short", context="word " * 39_000)], mid=f"m-{uid}")
 
     def check() -> None:
-        answer = h.terminals(tid)[-1].answer
-        assert len(answer) <= 100_000 and "[… truncated: " in answer[-60:]
-        assert max(len(v) for v in h.redis.hvals(h.keys.snapshots(f"c-{tid}"))) < 200_000
+        assert h.terminals(tid)[-1].answer == ""
+        assert not h.redis.hvals(h.keys.snapshots(f"c-{tid}"))
 
     return dataclasses.replace(accepted_turn(h, tid), check=check)
 
@@ -680,7 +679,11 @@ CASES: list[Case] = [
          Terminal("failed", "invalid_request")),
     Case("5 MB query", "raw resolve", refused_turn(query=big(5_000_000), conversation_id=VICTIM_CID),
          Terminal("failed", "invalid_request")),
-    Case("5 MB context", "raw resolve", context_5mb, Terminal("succeeded")),
+    Case("5 MB context", "raw resolve", refused_turn(query="short", context=big(5_000_000),
+                                                     conversation_id=VICTIM_CID),
+         Terminal("failed", "invalid_request")),
+    Case("context over the model's token window", "raw resolve", context_over_the_window,
+         Terminal("failed", "context_too_large")),
     # types
     Case("query is a number", "raw resolve", refused_turn(query=42, conversation_id=VICTIM_CID),
          Terminal("failed", "invalid_request")),
@@ -898,7 +901,8 @@ def test_catalogue_leaves_nothing_behind(hostile: Hostile) -> None:
     }
     # the victim conversation's keys are the documented ones, and no more
     victim_keys = {k.conversation(VICTIM_CID), k.messages(VICTIM_CID), k.message_order(VICTIM_CID),
-                   k.snapshots(VICTIM_CID), k.lease(VICTIM_CID)}
+                   k.snapshots(VICTIM_CID), k.lease(VICTIM_CID), k.token_counts(VICTIM_CID),
+                   k.decisions(VICTIM_CID)}
     assert {key_name(key) for key in h.redis.scan_iter(f"{k.conversation(VICTIM_CID)}*")} == victim_keys
     conversations = {f"c-{OTHER_TURN}", *h.owned_conversations}
     expected_keys |= victim_keys | {k.conversation(c) for c in conversations}
