@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .contracts import Id
@@ -84,7 +84,14 @@ def _url_credential(url: str) -> str | None:
     return None
 
 
-def _refuse_credentials(value: Any) -> None:
+#: The validation context of documents Threadline stored itself after `parse_agent_config` checked
+#: them (a pinned config, a resolved turn): the credential walk is not repeated on every read.
+TRUSTED: dict[str, bool] = {"threadline_trusted": True}
+
+
+def _refuse_credentials(value: Any, info: ValidationInfo) -> None:
+    if info.context and info.context.get("threadline_trusted"):
+        return
     if (found := find_credential(value)) is not None:
         raise PydanticCustomError("credential_in_config", "{where}; " + _NO_SECRETS, {"where": found})
 
@@ -114,13 +121,13 @@ class ModelSpec(_Doc):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_shorthand(cls, value: Any) -> Any:
+    def _from_shorthand(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
             provider, sep, name = value.partition(":")
             if not sep:
                 raise ValueError("model shorthand must look like 'provider:name', e.g. 'offline:echo'")
             value = {"provider": provider, "name": name}
-        _refuse_credentials(value)
+        _refuse_credentials(value, info)
         return value
 
 
@@ -144,8 +151,8 @@ class AgentConfig(_Doc):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_credentials(cls, value: Any) -> Any:
-        _refuse_credentials(value)
+    def _no_credentials(cls, value: Any, info: ValidationInfo) -> Any:
+        _refuse_credentials(value, info)
         return value
 
     @field_validator("settings")
@@ -196,7 +203,8 @@ def config_to_json(config: AgentConfig) -> str:
 
 
 def config_from_json(text: str | bytes) -> AgentConfig:
-    return AgentConfig.model_validate(json.loads(text))
+    """A config as `agents put` stored it (already checked for credentials)."""
+    return AgentConfig.model_validate(json.loads(text), context=TRUSTED)
 
 
 def whitelisted_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from pydantic_ai import CancellationToken
 
 from threadline.pipeline import events
+from threadline.pipeline.config import TRUSTED
 from threadline.pipeline.contracts import (
     Envelope,
     TurnRequest,
@@ -108,7 +109,7 @@ async def _start(rt: Runtime, stage: Stage, env: Envelope, *, claim: str = "") -
                                  claim=claim, started=started, attempt_hint=env.attempt)
     if await _stopped(rt, begin, env.turn_id, stage):
         return None
-    turn = ResolvedTurn.model_validate_json(begin.admitted)
+    turn = ResolvedTurn.model_validate_json(begin.admitted, context=TRUSTED)
     structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
     return Started(env, begin, turn, t0)
 

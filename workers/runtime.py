@@ -18,7 +18,7 @@ import uuid
 import structlog
 
 from threadline.pipeline import events
-from threadline.pipeline.config import ModelSpec
+from threadline.pipeline.config import TRUSTED, ModelSpec
 from threadline.pipeline.errors import ErrorCode
 from threadline.pipeline.events import TerminalType
 from threadline.pipeline.invoke import TurnAgent, build_agent
@@ -91,7 +91,7 @@ class Runtime:
         state = await self.store.turn_state(turn_id)
         if resolved is None and state.message_id:
             raw = await self.store.artifact(turn_id, self.graph.first.name)
-            resolved = ResolvedTurn.model_validate_json(raw) if raw else None
+            resolved = ResolvedTurn.model_validate_json(raw, context=TRUSTED) if raw else None
         accepted = resolved if resolved is not None and state.message_id else None
         event = events.terminal(
             turn_id, state.attempt, status, code=code, message=message,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -91,12 +92,21 @@ def test_validating_a_config_object_refuses_too_and_never_quotes_the_input() -> 
         AgentConfig.model_validate(doc)
     assert "model.options.password is named like a credential" in str(refused.value)
     assert SECRET not in str(refused.value)
-    with pytest.raises(ValidationError) as refused:
-        config_from_json(
+    with pytest.raises(InvalidRequest) as put:
+        parse_agent_config(
             '{"id": "x", "model": {"provider": "offline", "name": "echo", "options": {"n": 1}}, '
             f'"instructions": "{KEY}"}}'
         )
-    assert KEY not in str(refused.value)
+    assert KEY not in str(put.value)
+
+
+def test_a_stored_config_is_not_walked_again_on_every_read() -> None:
+    # `agents put` checked it (parse_agent_config); reading it back on every turn trusts that check,
+    # so the walk costs nothing per turn; a document from anywhere else is still walked
+    doc = {"id": "x", "model": {"provider": "offline", "name": "echo"}, "instructions": KEY}
+    assert config_from_json(json.dumps(doc)).instructions == KEY
+    with pytest.raises(ValidationError):
+        AgentConfig.model_validate(doc)
 
 
 def test_ordinary_configs_stay_allowed() -> None:
