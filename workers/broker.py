@@ -141,6 +141,9 @@ _MESSAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "message_id": str, "message_timestamp": (int, float),
 }
 _REQUIRED_FIELDS = ("queue_name", "actor_name", "args", "kwargs", "options")
+#: Message options that pass: the broker's (`redis_message_id`, `eta`) and those Retries writes on a
+#: redelivery (`retries`, `traceback`).
+_OPTIONS = frozenset({"redis_message_id", "eta", "retries", "traceback"})
 
 
 
@@ -221,7 +224,10 @@ def _parse_message(data: bytes, *, queue_name: str, actors: Container[str]) -> M
     if fields["actor_name"] not in actors:
         return _Refused(f"unknown_actor: {actor}", actor)
     try:
-        return Message(**{**fields, "args": tuple(fields["args"])})
+        # Options steer dramatiq's middleware (max_retries, max_age, pipe_target, on_failure, ...): a
+        # producer gets none of them; only those the broker and Retries set themselves pass.
+        options = {k: v for k, v in fields["options"].items() if k in _OPTIONS}
+        return Message(**{**fields, "args": tuple(fields["args"]), "options": options})
     except Exception as e:
         return _Refused(f"undecodable: {type(e).__name__}", actor)
 

@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 import redis
+from dramatiq.message import Message
 
 from tests.conftest import WorkerPool, turn
 from threadline.pipeline.config import AgentConfig
+from threadline.workers.broker import _parse_message
 from threadline.workers.client import Client
 
 pytestmark = pytest.mark.integration
@@ -186,3 +188,14 @@ def test_poison_message_is_dead_lettered_and_its_batch_finishes(env: Env, case: 
         assert env.redis.hget(f"{env.ns}:resolve.XQ.msgs", bad_id) == body
         assert env.redis.zscore(f"{env.ns}:resolve.XQ", bad_id) is not None
     assert SENTINEL not in env.pool.log_path.read_text()
+
+
+def test_a_producer_sets_no_option_that_steers_dramatiq() -> None:
+    body = json.dumps({
+        "queue_name": "resolve", "actor_name": "resolve", "args": [{}], "kwargs": {}, "message_id": "m1",
+        "message_timestamp": 1, "options": {"redis_message_id": "m1", "max_retries": 10**9, "max_age": 10**12,
+                                            "pipe_target": {"actor_name": "cancel"}, "on_failure": "cancel"},
+    }).encode()
+    message = _parse_message(body, queue_name="resolve", actors={"resolve"})
+    assert isinstance(message, Message)
+    assert message.options == {"redis_message_id": "m1"}
