@@ -52,7 +52,6 @@ from .stream import TurnStream
 log = structlog.get_logger(__name__)
 
 
-
 @dataclass(frozen=True, slots=True)
 class Malformed:
     """What a runner gets instead of a message's argument when the message carried none or
