@@ -131,12 +131,22 @@ class ModelSpec(_Doc):
         return value
 
 
+class CompactionSpec(_Doc):
+    """Compaction after a turn ends, off the critical path: the turns that fell out of the window are
+    summarised into one running summary by this model (`offline:summary` keeps the first sentence of
+    every user message it summarises)."""
+
+    summariser: ModelSpec
+
+
 class MemorySpec(_Doc):
     message_limit: Annotated[int, Field(gt=0, le=10000)] = 500
     safety_margin_tokens: Annotated[int, Field(ge=0)] = 256
     #: Once the history overflows its budget, it is cut down to this share of the budget, so that the
     #: kept prefix stays the same for the turns that follow (provider prompt caches).
     low_water: Annotated[float, Field(gt=0, le=1)] = 0.7
+    #: None: no compaction.
+    compaction: CompactionSpec | None = None
 
 
 class AgentConfig(_Doc):

@@ -172,6 +172,8 @@ class Envelope(_Wire):
     #: A stage of the stage graph (`pipeline.stages`).
     stage: Id
     attempt: int = Field(default=1, ge=1)
+    #: Set on messages that run after the turn ended (compaction), when the turn's record may be gone.
+    conversation_id: Id | None = None
 
 
 class Usage(_Wire):

@@ -28,6 +28,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import RunContext
 
 from .config import ModelSpec
+from .history import SUMMARY_HEADER
 from .mapping import normalise_messages, normalise_tool_definitions, system_text
 
 
@@ -149,6 +150,27 @@ def echo(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
 
 async def echo_stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
     yield json.dumps(describe_request(messages, info))
+
+
+def summary_answer(messages: Sequence[ModelMessage]) -> str:
+    """`offline:summary`'s answer: the first sentence of every user message it was given, in order
+    (a previous summary, given as the first user message, is kept whole)."""
+    prompts = user_prompts(messages)
+    kept: list[str] = []
+    for text in prompts[:-1]:  # the last prompt is the request to summarise
+        if text.startswith(SUMMARY_HEADER):
+            kept.append(text.removeprefix(SUMMARY_HEADER).strip())
+        elif text.strip():
+            kept.append(first_sentence(text))
+    return "\n".join(k for k in kept if k)
+
+
+def first_sentence(text: str) -> str:
+    text = text.strip()
+    for i, ch in enumerate(text):
+        if ch in ".!?" and (i + 1 == len(text) or text[i + 1].isspace()):
+            return text[: i + 1]
+    return text
 
 
 def user_prompts(messages: Sequence[ModelMessage]) -> list[str]:

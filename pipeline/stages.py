@@ -9,6 +9,8 @@ Four kinds of stage, each run by one generic runner in `workers/` (none of which
   its `needs`) to a new artifact. Adding a stage is one `Stage` entry plus one such function.
 - `model`: the model call (slow, cancellable, retried, streamed).
 - `finish`: the one terminal write of the turn.
+- `compaction`: after the turn ended, off the critical path (only for agents that configure
+  `memory.compaction`): the turns that fell out of the window are summarised for the next turns.
 
 Artifacts are JSON text stored under turn-scoped keys named after the stage that wrote them; a
 stage reads the admit stage's artifact and the previous stage's.
@@ -25,7 +27,7 @@ from .history import ThreadRead, budgeted_history, decode_messages, encode_messa
 from .mapping import normalise_messages
 from .records import ResolvedTurn
 
-StageKind = Literal["admit", "transform", "model", "finish"]
+StageKind = Literal["admit", "transform", "model", "finish", "compaction"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +66,10 @@ class StageGraph:
     """An ordered chain of stages: one `admit` first, one `finish` last."""
 
     def __init__(self, stages: Sequence[Stage]) -> None:
-        if len(stages) < 2 or stages[0].kind != "admit" or stages[-1].kind != "finish":
-            raise ValueError("a stage graph starts with its admit stage and ends with its finish stage")
+        turn = [s for s in stages if s.kind != "compaction"]
+        if len(turn) < 2 or turn[0].kind != "admit" or turn[-1].kind != "finish" or stages[len(turn) - 1] != turn[-1]:
+            raise ValueError("a stage graph starts with its admit stage and ends with its finish stage "
+                             "(compaction stages come after it)")
         names = [s.name for s in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique: {names}")
@@ -93,8 +97,15 @@ class StageGraph:
         return self.stages[0]
 
     def next(self, name: str) -> Stage | None:
+        """The stage a turn hands over to (none after the finish stage)."""
         i = self.names.index(name)
-        return self.stages[i + 1] if i + 1 < len(self.stages) else None
+        following = self.stages[i + 1] if i + 1 < len(self.stages) else None
+        return None if following is None or following.kind == "compaction" else following
+
+    @property
+    def turn_stages(self) -> tuple[Stage, ...]:
+        """The stages a turn runs through, admit to finish (compaction runs after the turn)."""
+        return tuple(s for s in self.stages if s.kind != "compaction")
 
     def previous(self, name: str) -> Stage:
         i = self.names.index(name)
@@ -117,7 +128,7 @@ class StageGraph:
 def history_stage(given: StageInput) -> StageOutput:
     """The newest whole turns of the thread that fit the token budget (the shell reads the thread)."""
     read: ThreadRead = given.loaded["thread"]
-    messages, window = budgeted_history(read, low_water=given.turn.config.memory.low_water)
+    messages, window, summary = budgeted_history(read, low_water=given.turn.config.memory.low_water)
     budget = read.budget
     record = {
         "tokenizer": read.tokenizer,
@@ -127,6 +138,7 @@ def history_stage(given: StageInput) -> StageOutput:
                    "dropped_tokens": window.dropped_tokens,
                    "dropped": window.dropped[-20:]},
         "read": {"turns": len(read.rows), "complete": read.complete},
+        "summary": {"watermark": summary, "tokens": read.summaries[summary][1]} if summary else None,
         "messages_out": len(messages),
     }
     return StageOutput(encode_messages(messages).decode(), record)
@@ -146,4 +158,5 @@ DEFAULT_GRAPH = StageGraph([
     Stage("map", "transform", map_stage),
     Stage("invoke", "model"),
     Stage("persist", "finish"),
+    Stage("compact", "compaction"),
 ])

@@ -11,7 +11,7 @@ import dramatiq
 from threadline.pipeline.stages import Stage, StageGraph, StageKind
 
 from .control import CANCEL_ACTOR, CONTROL_QUEUE
-from .runner import Malformed, run_admit, run_cancel, run_finish, run_model, run_transform
+from .runner import Malformed, run_admit, run_cancel, run_compaction, run_finish, run_model, run_transform
 from .runtime import Runtime, RuntimeRef
 
 Runner = Callable[[Runtime, Stage, object], Awaitable[None]]
@@ -20,6 +20,7 @@ RUNNERS: dict[StageKind, Runner] = {
     "transform": run_transform,
     "model": run_model,
     "finish": run_finish,
+    "compaction": run_compaction,
 }
 
 

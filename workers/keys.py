@@ -52,6 +52,11 @@ class Keys:
         """Hash: `<message id>|<tokenizer>` -> the tokens that turn costs in a history (counted once)."""
         return f"{self.prefix}:conv:{{{conversation_id}}}:tokens"
 
+    def summaries(self, conversation_id: str) -> str:
+        """Hash: watermark message id -> the running summary of the thread from the root to it (JSON);
+        every branch below the watermark reuses it."""
+        return f"{self.prefix}:conv:{{{conversation_id}}}:summaries"
+
     def decisions(self, conversation_id: str) -> str:
         """Hash: `<message id>:<stage>` -> the stage's decision record for that turn (JSON)."""
         return f"{self.prefix}:conv:{{{conversation_id}}}:decisions"

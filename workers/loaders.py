@@ -7,10 +7,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from threadline.pipeline.budget import history_budget
-from threadline.pipeline.history import ThreadRead, count_turn
+from threadline.pipeline.history import ThreadRead, count_turn, summary_messages
 from threadline.pipeline.invoke import run_instructions, user_prompt
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
-from threadline.pipeline.tokens import MESSAGE_OVERHEAD_TOKENS, Tokenizer, count_tool_definitions
+from threadline.pipeline.tokens import MESSAGE_OVERHEAD_TOKENS, Tokenizer, count_messages, count_tool_definitions
 
 from .models import build_tools
 from .runtime import Runtime
@@ -69,8 +69,34 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
             break
     rows.reverse()
     snapshots = await store.load_snapshots(cid, [r.id for r in rows])
+    summaries: dict[str, tuple[str, int]] = {}
+    if turn.config.memory.compaction is not None and rows:
+        found = await store.summaries(cid, [r.id for r in rows])
+        if not found and rows[0].parent_id:
+            found = await _summary_below(rt, cid, rows[0].parent_id, limit)
+        summaries = {mid: (text, count_messages(summary_messages(text), tokenizer)) for mid, text in found.items()}
     return ThreadRead(rows=rows, snapshots=snapshots, counts=counts, complete=not rows or rows[0].parent_id is None,
-                      previous_start=previous_start, budget=budget, tokenizer=tokenizer.name)
+                      previous_start=previous_start, budget=budget, tokenizer=tokenizer.name, summaries=summaries)
+
+
+async def _summary_below(rt: Runtime, cid: str, start: str, limit: int) -> dict[str, str]:
+    """The newest running summary on the thread from `start` back (older than what was read)."""
+    current: str | None = start
+    walked = 0
+    async for batch in rt.store.walk_back(cid, start, batch=READ_BATCH):
+        by_id = {r.id: r for r in batch}
+        chain: list[str] = []
+        while current is not None and current in by_id:
+            chain.append(current)
+            current = by_id[current].parent_id
+        found = await rt.store.summaries(cid, chain)
+        for mid in chain:  # newest first
+            if mid in found:
+                return {mid: found[mid]}
+        walked += len(batch)
+        if current is None or walked >= limit:
+            break
+    return {}
 
 
 async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: Tokenizer) -> dict[str, int]:

@@ -18,7 +18,15 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from threadline.pipeline.config import ModelSpec
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
 from threadline.pipeline.invoke import BUILTIN_TOOLS, TurnDeps
-from threadline.pipeline.models import StrictSystemModel, chat_answer, echo, echo_stream, profile_for, words
+from threadline.pipeline.models import (
+    StrictSystemModel,
+    chat_answer,
+    echo,
+    echo_stream,
+    profile_for,
+    summary_answer,
+    words,
+)
 
 
 def build_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool = False) -> Model:
@@ -119,4 +127,13 @@ def offline_model(name: str, options: Mapping[str, Any]) -> Model:
             return ModelResponse(parts=[TextPart(chat_answer(messages, repeat=repeat))])
 
         return FunctionModel(chat, stream_function=chat_stream, model_name="offline:chat")
-    raise InvalidRequest(f"unknown offline model {name!r}; available: echo, chat")
+    if name == "summary":
+
+        def summary(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            return ModelResponse(parts=[TextPart(summary_answer(messages))])
+
+        async def summary_stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+            yield summary_answer(messages)
+
+        return FunctionModel(summary, stream_function=summary_stream, model_name="offline:summary")
+    raise InvalidRequest(f"unknown offline model {name!r}; available: echo, chat, summary")

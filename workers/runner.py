@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from pydantic_ai import CancellationToken
 
 from threadline.pipeline import events
+from threadline.pipeline.compaction import SUMMARISE_PROMPT, summariser_history, summary_record, window_start
 from threadline.pipeline.config import TRUSTED
 from threadline.pipeline.contracts import (
     Envelope,
@@ -34,11 +35,11 @@ from threadline.pipeline.contracts import (
     valid_turn_id,
 )
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
-from threadline.pipeline.history import decode_messages
-from threadline.pipeline.invoke import InvokeOutcome, retry_delay_s, run_turn
+from threadline.pipeline.history import decode_messages, turn_messages
+from threadline.pipeline.invoke import InvokeOutcome, TurnDeps, retry_delay_s, run_turn
 from threadline.pipeline.persist import final_row, new_conversation, pending_row
-from threadline.pipeline.records import ConversationRecord, ResolvedTurn
-from threadline.pipeline.resolve import choose_config, resolve_turn
+from threadline.pipeline.records import ConversationRecord, MessageRecord, ResolvedTurn
+from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
 from threadline.pipeline.stages import Stage, StageInput
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
 
@@ -230,6 +231,71 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
         now=rt.now(),
     )
     log.info("persisted", status=outcome.status, write=result, snapshot=outcome.snapshot is not None)
+    if turn.config.memory.compaction is not None:
+        # after the turn, off its critical path: the turns its window dropped get summarised
+        for after in rt.graph.of_kind("compaction"):
+            arg = Envelope(turn_id=env.turn_id, stage=after.name, conversation_id=turn.conversation_id).model_dump()
+            await rt.store.enqueue_stage(after.name, arg, message_id=rt.new_id(), now_ms=rt.now_ms())
+
+
+# --- compaction -----------------------------------------------------------------------------------
+
+
+async def run_compaction(rt: Runtime, stage: Stage, envelope: object) -> None:
+    """Summarise the turns that fell out of an ended turn's window into the running summary of its
+    thread (best effort: a failure is logged, and the next turn's compaction covers the same turns)."""
+    if (env := await _envelope(rt, stage, envelope)) is None or env.conversation_id is None:
+        return
+    store, cid = rt.store, env.conversation_id
+    conversation = await store.find_conversation(cid)
+    if conversation is None:
+        return
+    config, _ = await store.load_config(conversation.agent_id, ConfigRef.parse(conversation.config_ref))
+    spec = config.memory.compaction
+    if spec is None:
+        return
+    start = None
+    for transform in rt.graph.of_kind("transform"):
+        start = start or window_start(await store.decision(cid, env.turn_id, transform.name))
+    first_kept = await store.message(cid, start) if start else None
+    watermark = first_kept.parent_id if first_kept else None  # the newest turn the window dropped
+    if watermark is None or await store.summaries(cid, [watermark]):
+        return
+    turns, previous, since = await _unsummarised(rt, cid, watermark)
+    agent = rt.agent(spec.summariser, [])
+    try:
+        result = await agent.run(SUMMARISE_PROMPT, message_history=summariser_history(previous, turns) or None,
+                                 deps=TurnDeps(now=rt.now))
+    except Exception as e:
+        log.warning("compaction_failed", error=type(e).__name__)
+        return
+    text = result.output if isinstance(result.output, str) else ""
+    await store.save_summary(cid, watermark, summary_record(
+        text, watermark=watermark, turns=len(turns), summariser=f"{spec.summariser.provider}:{spec.summariser.name}",
+        since=since))
+    log.info("compacted", watermark=watermark, turns=len(turns), since=since)
+
+
+async def _unsummarised(rt: Runtime, cid: str, watermark: str) -> tuple[list[list[Any]], str | None, str | None]:
+    """The turns from the newest earlier summary (exclusive) to `watermark`, oldest first, with that
+    summary's text and watermark."""
+    rows: list[MessageRecord] = []
+    previous = since = None
+    current: str | None = watermark
+    async for batch in rt.store.walk_back(cid, watermark, batch=32):
+        by_id = {r.id: r for r in batch}
+        found = await rt.store.summaries(cid, [mid for mid in by_id if mid != watermark])
+        while current is not None and current in by_id:
+            if current in found:
+                previous, since, current = found[current], current, None
+                break
+            rows.append(by_id[current])
+            current = by_id[current].parent_id
+        if current is None:
+            break
+    rows.reverse()
+    snapshots = await rt.store.load_snapshots(cid, [r.id for r in rows])
+    return [turn_messages(r, snapshots.get(r.id)) for r in rows], previous, since
 
 
 # --- admit ----------------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ class Store:
             [k.turn(f.turn_id), k.events(f.turn_id), k.cancel_flag(f.turn_id), k.model_claim(f.turn_id), k.running(),
              k.conversation(cid), k.messages(cid), k.snapshots(cid), k.lease(cid), k.turn_queue(cid), k.waiting(cid),
              k.usage(f.tenant_id or "-"), k.queue_messages(admit_queue), k.queue(admit_queue),
-             *(k.artifact(f.turn_id, s) for s in self.graph.names)],
+             *(k.artifact(f.turn_id, s.name) for s in self.graph.turn_stages)],
             lua.payload(
                 turn_id=f.turn_id, status=f.event.type, conversation_id=f.conversation_id,
                 message_id=f.message.id if f.message else "", fence=f.fence, now=now, ttl_s=self.settings.turn_ttl_s,
@@ -227,7 +227,8 @@ class Store:
         cid = text(await self.redis.hget(k.turn(turn_id), "conversation_id") or b"-")
         reply = await self._run(
             "stalled", [k.turn(turn_id), k.model_claim(turn_id), k.running(), k.waiting(cid)],
-            lua.payload(turn_id=turn_id, now=now, stages=list(self.graph.names), max_recoveries=max_recoveries),
+            lua.payload(turn_id=turn_id, now=now, stages=[s.name for s in self.graph.turn_stages],
+                        max_recoveries=max_recoveries),
         )
         verdict = text(reply[0])
         stage = text(reply[1]) if len(reply) > 1 else ""
@@ -294,6 +295,10 @@ class Store:
         kept = await self.redis.hget(self.keys.waiting(conversation_id), turn_id)
         return json.loads(kept)["args"][0] if kept else None
 
+    async def message(self, conversation_id: str, message_id: str) -> MessageRecord | None:
+        row = await self.redis.hget(self.keys.messages(conversation_id), message_id)
+        return MessageRecord.model_validate_json(row) if row else None
+
     async def has_message(self, conversation_id: str, message_id: str) -> bool:
         return bool(await self.redis.hexists(self.keys.messages(conversation_id), message_id))
 
@@ -350,6 +355,17 @@ class Store:
     async def save_token_counts(self, conversation_id: str, counts: dict[str, int], tokenizer: str) -> None:
         await self.redis.hset(self.keys.token_counts(conversation_id),
                               mapping={f"{mid}|{tokenizer}": n for mid, n in counts.items()})
+
+    async def summaries(self, conversation_id: str, message_ids: Sequence[str]) -> dict[str, str]:
+        """Running summaries by watermark message id (`finish`-then-compaction writes them)."""
+        if not message_ids:
+            return {}
+        values = await self.redis.hmget(self.keys.summaries(conversation_id), list(message_ids))
+        return {mid: json.loads(v)["text"] for mid, v in zip(message_ids, values, strict=True) if v is not None}
+
+    async def save_summary(self, conversation_id: str, watermark: str, record: Mapping[str, Any]) -> None:
+        await self.redis.hset(self.keys.summaries(conversation_id), watermark,
+                              json.dumps(record, separators=(",", ":"), ensure_ascii=False))
 
     async def decision(self, conversation_id: str, message_id: str, stage: str) -> dict[str, Any] | None:
         """The decision record `stage` stored for a turn (`advance.lua`), or None."""

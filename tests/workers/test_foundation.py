@@ -61,10 +61,10 @@ def test_a_turn_crosses_the_five_stages_in_order(workers: WorkerPool, client: Cl
     state = client.turn_state(turn_id)
     assert (state.status, state.conversation_id, state.message_id) == ("succeeded", terminal.conversation_id, turn_id)
     # every stage before the finish stage marked itself done (the finish stage's mark is the status)
-    assert state.done >= {s.name for s in DEFAULT_GRAPH if s.kind != "finish"} and state.attempt == 1
+    assert state.done >= {s.name for s in DEFAULT_GRAPH.turn_stages if s.kind != "finish"} and state.attempt == 1
     assert client.redis.hget(client.keys.turn(turn_id), "model_starts") == b"1"
     # the turn's artifacts are gone; its record and events stay readable for TL_TURN_TTL_S (6 h)
-    assert not any(client.redis.exists(client.keys.artifact(turn_id, s)) for s in DEFAULT_GRAPH.names)
+    assert not any(client.redis.exists(client.keys.artifact(turn_id, s.name)) for s in DEFAULT_GRAPH.turn_stages)
     for key in (client.keys.turn(turn_id), client.keys.events(turn_id)):
         assert 6 * 3600 - 60 < client.redis.ttl(key) <= 6 * 3600
 

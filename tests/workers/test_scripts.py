@@ -36,7 +36,7 @@ from threadline.workers.store import WAKE_ID, Accept, Begin, Finish, Next, Store
 
 SCRIPTS = Path(lua.__file__).parent / "scripts"
 AGENT = AgentConfig.model_validate({"id": "agent-1", "model": "offline:echo"})
-STAGES = DEFAULT_GRAPH.names
+STAGES = tuple(s.name for s in DEFAULT_GRAPH.turn_stages)
 FIRST, SECOND, THIRD = STAGES[0], STAGES[1], STAGES[2]
 MODEL = DEFAULT_GRAPH.of_kind("model")[0].name
 LAST = STAGES[-1]
