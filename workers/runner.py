@@ -198,7 +198,9 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
              truncated_parts=outcome.truncated_parts)
     delay_s = retry_delay_s(outcome, attempt=attempt, max_attempts=rt.settings.max_invoke_attempts)
     if delay_s is None:
-        await _hand_over(rt, stage, s, outcome.model_dump_json())
+        # the record says when what was stored is not all the model said (TL_MAX_TEXT_CHARS)
+        decision = {"truncated_parts": outcome.truncated_parts} if outcome.truncated_parts else None
+        await _hand_over(rt, stage, s, outcome.model_dump_json(), decision)
         return
     reason = f"{outcome.code}: {outcome.message}"
     arg = Envelope(turn_id=turn_id, stage=stage.name, attempt=attempt + 1).model_dump()

@@ -237,6 +237,8 @@ def test_answers_and_tool_payloads_over_the_limit_are_stored_truncated_with_a_ma
     stored = stored_messages(client, conversation_of(terminal), row.id)
     assert isinstance(stored[-1], ModelResponse)
     assert "".join(p.content for p in stored[-1].parts if p.part_kind == "text") == terminal.answer
+    # the model stage's decision record says that what was stored is not all the model said
+    assert client.decisions(terminal.turn_id)["invoke"]["truncated_parts"] >= 1
 
     read = client.wait(client.submit(turn("reader", "read it")), timeout_s=30)
     assert isinstance(read, ev.Succeeded), read
