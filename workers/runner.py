@@ -264,8 +264,8 @@ async def run_compaction(rt: Runtime, stage: Stage, envelope: object) -> None:
     if watermark is None or await store.summaries(cid, [watermark]):
         return
     turns, previous, since = await _unsummarised(rt, cid, watermark)
-    agent = rt.agent(spec.summariser, [])
     try:
+        agent = rt.agent(spec.summariser, [])
         result = await agent.run(SUMMARISE_PROMPT, message_history=summariser_history(previous, turns) or None,
                                  deps=TurnDeps(now=rt.now))
     except Exception as e:
