@@ -45,10 +45,7 @@ import math
 import os
 import platform
 import random
-import shlex
-import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -86,8 +83,8 @@ from threadline.workers.settings import Settings
 from threadline.workers.store import Store
 from threadline.workers.tokenizers import load_tokenizer
 
-from .procs import Processes, Server, raise_on_sigterm
-from .run import code_version, progress
+from .procs import Processes, Server, bench_session, progress
+from .run import code_version
 from .stats import HARNESS_COMMANDS, Summary, command_counts
 from .systems import ThreadlineSystem
 
@@ -766,25 +763,8 @@ def _reasons(counts: dict[str, int]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     opts = parse_args(argv)
-    raise_on_sigterm()
-    args = sys.argv[1:] if argv is None else list(argv)
-    command = " ".join([".venv/bin/python -m bench.history", *map(shlex.quote, args)])
-    workdir = Path(tempfile.mkdtemp(prefix="threadline-bench-history-"))
-    t0 = time.monotonic()
-    ok = False
-    try:
-        results = run(opts, workdir)
-        print(render(opts, results, command))
-        print(f"\n(total run time {time.monotonic() - t0:.0f} s)")
-        ok = True
-    except KeyboardInterrupt as e:
-        progress(f"interrupted ({e or 'Ctrl-C'}); every process started by this run was stopped")
-        raise SystemExit(130) from None
-    finally:
-        if ok and not opts.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            progress(f"run directory kept: {workdir}")
+    with bench_session("bench.history", argv, keep=opts.keep) as (command, workdir):
+        print(render(opts, run(opts, workdir), command))
 
 
 if __name__ == "__main__":

@@ -30,10 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -47,7 +44,7 @@ import redis
 
 from threadline.workers.client import Client
 
-from .procs import Child, Processes, Server, python_env, raise_on_sigterm
+from .procs import Child, Processes, Server, bench_session, progress, python_env
 
 WORKERS = 2
 #: (group, part): e.g. ("turn", "events stream"), ("conv", ":msgs").
@@ -94,10 +91,6 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     checkpoints = sorted({int(c) for c in a.checkpoints.split(",") if c.strip()})
     return Options(turns, conversations, max(1, a.parallel), a.threads, a.long_turns, checkpoints,
                    a.budget_mb, a.timeout_s, a.keep)
-
-
-def progress(message: str) -> None:
-    print(f"[memory {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # --- key families --------------------------------------------------------------------------------
@@ -603,15 +596,9 @@ def run(opts: Options, workdir: Path) -> tuple[str, Phase, Long, Long]:
         server.stop()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> None:
     opts = parse_args(argv)
-    raise_on_sigterm()
-    args = sys.argv[1:] if argv is None else list(argv)
-    command = " ".join([".venv/bin/python -m bench.memory", *map(shlex.quote, args)])
-    workdir = Path(tempfile.mkdtemp(prefix="threadline-bench-memory-"))
-    t0 = time.monotonic()
-    ok = False
-    try:
+    with bench_session("bench.memory", argv, keep=opts.keep) as (command, workdir):
         version, chat, echo, chat_long = run(opts, workdir)
         lines = [f"command: `{command}`",
                  f"server: {version} (fresh, no persistence); {WORKERS} worker processes x {opts.threads} threads; "
@@ -620,20 +607,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  *render_long(opts, echo, "offline:echo, bytes added by one turn at turn k of one conversation"), "",
                  *render_long(opts, chat_long, "For contrast, offline:chat (answers quote only the earlier "
                                                "questions), bytes added by one turn at turn k of one conversation"),
-                 "", summary(chat, [echo, chat_long], opts.checkpoints),
-                 f"(total run time {time.monotonic() - t0:.0f} s)"]
+                 "", summary(chat, [echo, chat_long], opts.checkpoints)]
         print("\n".join(lines))
-        ok = True
-        return 0
-    except KeyboardInterrupt as e:
-        progress(f"interrupted ({e or 'Ctrl-C'}); every process started by this run was stopped")
-        return 130
-    finally:
-        if ok and not opts.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            progress(f"run directory kept: {workdir}")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

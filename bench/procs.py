@@ -11,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -179,6 +181,34 @@ def raise_on_sigterm() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def bench_session(module: str, argv: Sequence[str] | None, *, keep: bool) -> Iterator[tuple[str, Path]]:
+    """One benchmark run: the command line that reproduces it and a run directory, removed when the
+    run succeeds (unless `keep`); a signal unwinds it like Ctrl-C and exits 130."""
+    raise_on_sigterm()
+    args = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join([f".venv/bin/python -m {module}", *map(shlex.quote, args)])
+    workdir = Path(tempfile.mkdtemp(prefix=f"threadline-{module.replace('.', '-')}-"))
+    t0 = time.monotonic()
+    ok = False
+    try:
+        yield command, workdir
+        print(f"\n(total run time {time.monotonic() - t0:.0f} s)")
+        ok = True
+    except KeyboardInterrupt as e:
+        progress(f"interrupted ({e or 'Ctrl-C'}); every process started by this run was stopped")
+        raise SystemExit(130) from None
+    finally:
+        if ok and not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            progress(f"run directory kept: {workdir}")
 
 
 def python_env(extra: dict[str, str]) -> dict[str, str]:

@@ -31,11 +31,7 @@ import json
 import math
 import os
 import platform
-import shlex
-import shutil
 import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -46,7 +42,7 @@ from typing import Any
 
 import redis
 
-from .procs import ROOT, Processes, Server, raise_on_sigterm
+from .procs import ROOT, Processes, Server, bench_session, progress
 from .stats import Cost, CostMeter, IdleLoad, Summary, measure_idle_load, percentile
 from .systems import BareSystem, Batch, Saturation, ThreadlineSystem, TurnTiming, summary_line
 
@@ -179,10 +175,6 @@ def code_version() -> str:
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--", "workers", "pipeline").splitlines()
     return f"{head}" + (f" + uncommitted changes to {len(dirty)} file(s) in workers/ or pipeline/" if dirty else "")
-
-
-def progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # --- phases --------------------------------------------------------------------------------------
@@ -455,27 +447,11 @@ def render_breakdown(title: str, turns: Sequence[TurnTiming]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     opts = parse_args(argv)
-    raise_on_sigterm()
-    args = sys.argv[1:] if argv is None else list(argv)
-    command = " ".join([".venv/bin/python -m bench.run", *map(shlex.quote, args)])
-    workdir = Path(tempfile.mkdtemp(prefix="threadline-bench-"))
-    t0 = time.monotonic()
-    ok = False
-    try:
+    with bench_session("bench.run", argv, keep=opts.keep) as (command, workdir):
         results = run(opts, workdir)
         report = render(opts, results, command)
         (workdir / "results.json").write_text(json.dumps(asdict(results), default=str, indent=1))
         print(report)
-        print(f"\n(total run time {time.monotonic() - t0:.0f} s)")
-        ok = True
-    except KeyboardInterrupt as e:
-        progress(f"interrupted ({e or 'Ctrl-C'}); every process started by this run was stopped")
-        raise SystemExit(130) from None
-    finally:
-        if ok and not opts.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            progress(f"run directory kept: {workdir}")
 
 
 if __name__ == "__main__":
