@@ -48,6 +48,7 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
         decided = await store.decision(cid, turn.parent_message_id, stage)
         previous_start = decided.get("window", {}).get("start") if decided else None
     rows: list[MessageRecord] = []
+    snapshots: dict[str, bytes] = {}
     counts: dict[str, int] = {}
     used, passed_start, current = 0, previous_start is None, turn.parent_message_id
     limit = turn.config.memory.message_limit
@@ -57,7 +58,7 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
         while current is not None and current in by_id:
             chain.append(by_id[current])
             current = by_id[current].parent_id
-        counts.update(await _counts(rt, cid, chain, tokenizer))
+        counts.update(await _counts(rt, cid, chain, tokenizer, snapshots))
         for record in chain:
             rows.append(record)
             used += counts[record.id]
@@ -68,7 +69,7 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
         if current is None:
             break
     rows.reverse()
-    snapshots = await store.load_snapshots(cid, [r.id for r in rows])
+    snapshots.update(await store.load_snapshots(cid, [r.id for r in rows if r.id not in snapshots]))
     summaries: dict[str, tuple[str, int]] = {}
     if turn.config.memory.compaction is not None and rows:
         found = await store.summaries(cid, [r.id for r in rows])
@@ -99,8 +100,10 @@ async def _summary_below(rt: Runtime, cid: str, start: str, limit: int) -> dict[
     return {}
 
 
-async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: Tokenizer) -> dict[str, int]:
-    """Token counts of `chain`'s turns: cached ones read, the others counted once and cached."""
+async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: Tokenizer,
+                  snapshots: dict[str, bytes]) -> dict[str, int]:
+    """Token counts of `chain`'s turns: cached ones read, the others counted once and cached (their
+    snapshots, read to count them, are added to `snapshots` so that they are read once)."""
     ids = [r.id for r in chain]
     counts = await rt.store.token_counts(cid, ids, tokenizer.name)
     missing = [r for r in chain if r.id not in counts]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import AgentFactory, WorkerPool, turn
+from tests.support.wait import wait_until
 from tests.workers.test_outcomes import assert_one_terminal, python_model, records, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -19,14 +20,6 @@ from threadline.workers.client import Client
 pytestmark = pytest.mark.integration
 
 ALL_QUEUES = (*DEFAULT_GRAPH.names, "control")
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.02)
 
 
 def flag_raised(client: Client, turn_id: str) -> Callable[[], bool]:

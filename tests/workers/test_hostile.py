@@ -38,6 +38,7 @@ import pytest
 import redis
 
 from tests.conftest import WorkerPool
+from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA
@@ -212,7 +213,7 @@ class Hostile:
         assert self.settle(timeout_s), f"queues never drained: {self.busy()}"
 
     def settle(self, timeout_s: float = WAIT_S) -> bool:
-        return bool(wait_until(lambda: not self.busy(), timeout_s))
+        return bool(poll(lambda: not self.busy(), timeout_s))
 
     def drop_leftovers(self) -> list[str]:
         """Delete what dramatiq still holds (nothing else is in flight between cases)."""
@@ -230,7 +231,7 @@ class Hostile:
     def start_slow(self, turn_id: str) -> str:
         """A turn of the slow agent, returned once its model is streaming."""
         self.client.submit(request(turn_id, agent_id=SLOW_AGENT, tenant_id=SLOW_TENANT, query="stream please"))
-        streaming = wait_until(lambda: any(e.type == "text_delta" for e in self.events(turn_id)), WAIT_S)
+        streaming = poll(lambda: any(e.type == "text_delta" for e in self.events(turn_id)), WAIT_S)
         assert streaming, f"{turn_id} never streamed: {self.events(turn_id)}"
         return turn_id
 
@@ -257,15 +258,6 @@ def request(turn_id: str | None = None, **fields: Any) -> dict[str, Any]:
 
 def users_seen(echo_answer: str) -> list[str]:
     return [m["text"] for m in json.loads(echo_answer)["messages"] if m["role"] == "user"]
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import redis
 from dramatiq.message import Message
 
 from tests.conftest import WorkerPool, turn
+from tests.support.wait import poll
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.broker import _parse_message
 from threadline.workers.client import Client
@@ -159,15 +160,6 @@ def leftovers(env: Env, redis_id: str) -> list[str]:
     return found
 
 
-def wait_until(check: Callable[[], Any], timeout_s: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_poison_message_is_dead_lettered_and_its_batch_finishes(env: Env, case: str) -> None:
     build, reason = CASES[case]
@@ -180,9 +172,9 @@ def test_poison_message_is_dead_lettered_and_its_batch_finishes(env: Env, case: 
         assert terminal.type == "succeeded", terminal
     assert env.pool.alive(), env.pool.log_tail()
 
-    entries = wait_until(lambda: dead_letters(env, bad_id))
+    entries = poll(lambda: dead_letters(env, bad_id))
     assert entries == [{"queue": "resolve", "message_id": bad_id, "actor": entries[0]["actor"], "reason": reason}]
-    wait_until(lambda: not leftovers(env, bad_id))
+    poll(lambda: not leftovers(env, bad_id))
     assert leftovers(env, bad_id) == []
     if body is not None:  # dramatiq's own dead-letter set keeps the body
         assert env.redis.hget(f"{env.ns}:resolve.XQ.msgs", bad_id) == body
