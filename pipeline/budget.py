@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .config import ModelSpec
 from .errors import ContextTooLarge
 
 
@@ -43,6 +44,22 @@ class BudgetParts:
     def history(self) -> int:
         """What is left for the history (may be 0, never negative)."""
         return max(0, self.context_window - self.max_output - self.safety_margin - self.fixed)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """The context window and the answer's reserve that every model that may answer can honour."""
+
+    context_window: int
+    max_output: int
+
+
+def answering_limits(spec: ModelSpec) -> ModelLimits:
+    """The limits of a model and its fallbacks together: any of them may answer, so the history must
+    fit the smallest window, and the answer is asked for no more tokens than the smallest allows
+    (the same `max_tokens` goes to every model of the chain)."""
+    chain = spec.chain()
+    return ModelLimits(min(m.context_window for m in chain), min(m.max_output_tokens for m in chain))
 
 
 def history_budget(

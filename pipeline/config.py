@@ -10,14 +10,28 @@ from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .contracts import Id
 from .errors import InvalidRequest
 from .redact import contains_credential, is_secret_name
 
-Provider = Literal["offline", "openai", "openai-compatible", "vllm", "ollama", "anthropic", "python"]
+Provider = Literal[
+    "offline", "python", "openai", "anthropic", "google", "bedrock", "groq", "mistral",
+    # OpenAI-compatible servers (vLLM, Ollama, LM Studio, llama.cpp): called without a key unless
+    # `api_key_env` names one
+    "openai-compatible", "vllm", "ollama",
+]
 
 #: Model settings a config may set; anything else is refused when the config is registered.
 SETTINGS_WHITELIST: frozenset[str] = frozenset(
@@ -29,6 +43,8 @@ _VARIABLE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 _CONFIG_SECRET_NAMES = frozenset({"key", "auth", "bearer", "cookie", "cookies", "set_cookie", "private_key"})
 #: Query parameters of a URL that carry credentials besides those named like secrets.
 _QUERY_SECRET_NAMES = frozenset({"key", "sig", "signature", "auth"})
+#: Fallback models a config may list (each tried after the one before failed transiently).
+MAX_FALLBACKS = 3
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _NO_SECRETS = (
@@ -118,6 +134,11 @@ class ModelSpec(_Doc):
     tokenizer: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     #: Offline and test models only: options passed to the model factory.
     options: dict[str, Any] = Field(default_factory=dict)
+    #: Models tried in order when this one fails transiently (429, 5xx, connection errors): same shape
+    #: (shorthand strings too), no fallback of their own.
+    fallback: Annotated[list[ModelSpec], Field(max_length=MAX_FALLBACKS)] = Field(default_factory=list)
+    #: At most this many model calls of the agent in flight across all workers; None: no limit.
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -129,6 +150,20 @@ class ModelSpec(_Doc):
             value = {"provider": provider, "name": name}
         _refuse_credentials(value, info)
         return value
+
+    @field_validator("fallback")
+    @classmethod
+    def _flat_fallback(cls, value: list[ModelSpec]) -> list[ModelSpec]:
+        # one chain, tried in order: a nested chain or a limit of its own would make it a tree
+        if any(f.fallback for f in value):
+            raise ValueError("a fallback model has no fallback of its own: list every model in one chain")
+        if any(f.max_concurrency is not None for f in value):
+            raise ValueError("max_concurrency is the agent's (set it on model), not a fallback model's")
+        return value
+
+    def chain(self) -> list[ModelSpec]:
+        """Every model that may answer, in the order they are tried: this one, then its fallbacks."""
+        return [self, *self.fallback]
 
 
 class CompactionSpec(_Doc):
@@ -149,6 +184,62 @@ class MemorySpec(_Doc):
     compaction: CompactionSpec | None = None
 
 
+#: Guard rules run on every query and answer: their number and size are bounded (the texts they see
+#: are bounded by TL_MAX_QUERY_CHARS and TL_MAX_TEXT_CHARS), so that no config can make a check slow.
+MAX_GUARD_KEYWORDS = 500
+MAX_GUARD_PATTERNS = 32
+MAX_PATTERN_CHARS = 256
+MAX_ANNOTATIONS = 1000
+GuardKeyword = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=100)]
+GuardPattern = Annotated[str, Field(min_length=1, max_length=MAX_PATTERN_CHARS)]
+
+
+class GuardRules(_Doc):
+    """Moderation of one direction (`pipeline.guards`): a hit answers `reply` instead."""
+
+    #: Case-insensitive; `match: word` only on word boundaries ("ass" is not in "class"), `substring`
+    #: anywhere (for scripts written without spaces, e.g. Chinese).
+    keywords: Annotated[tuple[GuardKeyword, ...], Field(max_length=MAX_GUARD_KEYWORDS)] = ()
+    match: Literal["word", "substring"] = "word"
+    #: Python regular expressions, case-insensitive, each matched within one sentence.
+    patterns: Annotated[tuple[GuardPattern, ...], Field(max_length=MAX_GUARD_PATTERNS)] = ()
+    reply: Annotated[str, Field(min_length=1, max_length=4000)] = "Sorry, I can't help with that."
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiled(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for i, pattern in enumerate(value):
+            try:
+                compiled = re.compile(pattern, re.IGNORECASE)
+            except re.error as e:
+                raise ValueError(f"patterns[{i}] is not a valid regular expression: {e}") from None
+            if compiled.search("") is not None:
+                raise ValueError(f"patterns[{i}] matches the empty text: it would refuse everything")
+        return value
+
+    @property
+    def active(self) -> bool:
+        return bool(self.keywords or self.patterns)
+
+
+class Annotation(_Doc):
+    question: Annotated[str, Field(min_length=1, max_length=2000)]
+    answer: Annotated[str, Field(min_length=1, max_length=20000)]
+
+
+class GuardsSpec(_Doc):
+    """Input guards (moderation, then annotation replies) answer without calling the model; the
+    output guard replaces an answer that matches its rules."""
+
+    input: GuardRules = Field(default_factory=GuardRules)
+    output: GuardRules = Field(default_factory=GuardRules)
+    #: Stored question → answer pairs; the first whose question matches the query answers it.
+    annotations: Annotated[tuple[Annotation, ...], Field(max_length=MAX_ANNOTATIONS)] = ()
+    #: `exact`: the query is the question; `normalised`: equal after casefold, NFKC, collapsed
+    #: whitespace and punctuation stripped at both ends.
+    annotation_match: Literal["exact", "normalised"] = "normalised"
+
+
 class AgentConfig(_Doc):
     id: Id
     model: ModelSpec
@@ -158,6 +249,7 @@ class AgentConfig(_Doc):
     tools: list[str] = Field(default_factory=list)
     memory: MemorySpec = Field(default_factory=MemorySpec)
     deadline_s: Annotated[float, Field(gt=0, le=86400)] = 120.0
+    guards: GuardsSpec = Field(default_factory=GuardsSpec)
 
     @model_validator(mode="before")
     @classmethod

@@ -16,6 +16,10 @@ ErrorCode = Literal[
     "model_unavailable",
     "model_bad_request",
     "model_error",
+    # A model config's provider needs an extra the workers lack, or its key variable is unset: both
+    # permanent, and both name what to install or set.
+    "provider_not_installed",
+    "model_key_missing",
     "internal_error",
     # The codes of the two non-error endings: cancellation and the deadline are outcomes.
     "cancelled",
@@ -66,6 +70,14 @@ class SessionConfigurationChanged(ThreadlineError):
             "The agent configuration changed after this conversation started. "
             "Start a new conversation to continue."
         )
+
+
+class ProviderNotInstalled(ThreadlineError):
+    code: ErrorCode = "provider_not_installed"
+
+
+class ModelKeyMissing(ThreadlineError):
+    code: ErrorCode = "model_key_missing"
 
 
 class SnapshotCorrupt(ThreadlineError):

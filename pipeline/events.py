@@ -81,11 +81,15 @@ class _Terminal(_Event):
 class Succeeded(_Terminal):
     type: Literal["succeeded"] = "succeeded"
     usage: Usage = Field(default_factory=Usage)
+    #: The model that answered: the `model_name` of its last response (a fallback's when one answered).
+    model: str | None = None
 
 
 class Paused(_Terminal):
     type: Literal["paused"] = "paused"
     usage: Usage = Field(default_factory=Usage)
+    #: As on `Succeeded`.
+    model: str | None = None
     pending_tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -139,14 +143,15 @@ def terminal(
     pending_tool_calls: list[dict[str, Any]] | None = None,
     conversation_id: str | None = None,
     message_id: str | None = None,
+    model: str | None = None,
 ) -> Terminal:
     """The one terminal event of a turn, for any of the five endings."""
     common: dict[str, Any] = {"turn_id": turn_id, "attempt": attempt, "answer": answer,
                               "conversation_id": conversation_id, "message_id": message_id}
     if status == "succeeded":
-        return Succeeded(**common, usage=usage or Usage())
+        return Succeeded(**common, usage=usage or Usage(), model=model)
     if status == "paused":
-        return Paused(**common, usage=usage or Usage(), pending_tool_calls=pending_tool_calls or [])
+        return Paused(**common, usage=usage or Usage(), pending_tool_calls=pending_tool_calls or [], model=model)
     failure = {**common, "usage": usage, "code": code or "internal_error", "message": message or ""}
     if status == "failed":
         return Failed(**failure)

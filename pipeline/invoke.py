@@ -27,6 +27,7 @@ from pydantic_ai import (
 )
 from pydantic_ai.exceptions import (
     AgentRunError,
+    FallbackExceptionGroup,
     ModelAPIError,
     ModelConnectionError,
     ModelContextWindowExceededError,
@@ -41,6 +42,7 @@ from pydantic_ai.messages import (
     AgentStreamEvent,
     ImageUrl,
     ModelMessage,
+    ModelResponse,
     ToolCallPart,
     UserContent,
 )
@@ -50,6 +52,7 @@ from pydantic_ai.settings import ModelSettings
 from .contracts import Usage
 from .errors import ErrorCode, ThreadlineError
 from .events import TerminalType
+from .guards import check_text, guarded_exchange, scrub_responses, spoken_text
 from .history import encode_messages
 from .limits import limit_messages, truncate_text
 from .persist import prepare_snapshot, run_answer, run_usage
@@ -74,6 +77,12 @@ class InvokeOutcome(BaseModel):
     snapshot: str | None = None
     #: Text parts stored truncated (answers, tool results over the size limit).
     truncated_parts: int = 0
+    #: Why a guard gave the answer (`pipeline.guards`): {"kind", "rule"}; None: the model's own.
+    guard: dict[str, str] | None = None
+    #: The model that answered last (`ModelResponse.model_name`), and the models a fallback chain moved
+    #: on from during the run (pydantic-ai's `failed_attempts`), in order.
+    model: str | None = None
+    fallback_from: list[str] = Field(default_factory=list)
 
 
 class RunStream(Protocol):
@@ -152,9 +161,11 @@ async def run_turn(
     timeout_s: float,
     max_chars: int,
     secrets: Sequence[str] = (),
+    model: Model | None = None,
 ) -> InvokeOutcome:
     """Run the agent once; every way it can end becomes an `InvokeOutcome`. Texts longer than
-    `max_chars` are stored truncated; `secrets` (the model's key) never reach an error message."""
+    `max_chars` are stored truncated; `secrets` (the model's key) never reach an error message.
+    `model` replaces the agent's own for this run (the shell wraps it in a concurrency limit)."""
     run_id = f"{turn.turn_id}/{attempt}"
     deferred = DeferredToolResults(calls=dict(turn.deferred_answers)) if turn.deferred_answers else None
     with capture_run_messages() as captured:
@@ -171,13 +182,42 @@ async def run_turn(
                 run_id=run_id,
                 conversation_id=turn.conversation_id,
                 event_stream_handler=stream.handle,
+                model=model,
             )
             output: str | DeferredToolRequests | None = result.output
             failure: BaseException | None = None
         except Exception as e:  # a broken tool too: the turn ends `failed`, its history kept
             output, failure = None, e
     new = [m for m in captured if m.run_id == run_id]
-    return _outcome(output, failure, new, list(stream.tools.values()), max_chars=max_chars, secrets=secrets)
+    outcome = _outcome(output, failure, new, list(stream.tools.values()), max_chars=max_chars, secrets=secrets)
+    return guard_output(outcome, new, turn, max_chars=max_chars)
+
+
+def answer_without_model(turn: ResolvedTurn) -> InvokeOutcome:
+    """The outcome of a turn the input guards answered (`turn.guard`): their reply, no model call."""
+    assert turn.guard is not None, "only a guarded turn is answered without the model"
+    exchange = guarded_exchange(turn.query, turn.guard, at=turn.accepted_at)
+    return InvokeOutcome(status="succeeded", answer=turn.guard.reply, snapshot=encode_messages(exchange).decode(),
+                         guard=turn.guard.record()["guard"])
+
+
+def guard_output(outcome: InvokeOutcome, new: list[ModelMessage], turn: ResolvedTurn, *,
+                 max_chars: int) -> InvokeOutcome:
+    """The outcome with the output guard's reply in place of an answer that breaks its rules: in the
+    answer and in the stored messages. The check sees all the text the run said, as its stream did."""
+    rules = turn.config.guards.output
+    if not rules.active:
+        return outcome
+    hit = check_text(rules, spoken_text(new), where="output") or check_text(rules, outcome.answer, where="output")
+    if hit is None:
+        return outcome
+    snapshot = prepare_snapshot(scrub_responses(new, hit.reply), paused=outcome.status == "paused")
+    if snapshot is not None:
+        snapshot, _ = limit_messages(snapshot, max_chars)
+    return outcome.model_copy(update={
+        "answer": hit.reply, "guard": hit.record()["guard"],
+        "snapshot": encode_messages(snapshot).decode() if snapshot is not None else None,
+    })
 
 
 def _outcome(
@@ -202,6 +242,7 @@ def _outcome(
     else:
         answer = run_answer(new)
     answer, cut = truncate_text(answer, max_chars)
+    model, fallback_from = answered_by(new, failure)
     return InvokeOutcome(
         status=status,
         answer=answer,
@@ -214,7 +255,37 @@ def _outcome(
         tools=tools,
         snapshot=encode_messages(snapshot).decode() if snapshot is not None else None,
         truncated_parts=max(truncated, int(cut)),
+        model=model,
+        fallback_from=fallback_from,
     )
+
+
+def invoke_decision(outcome: InvokeOutcome, *, limit_wait_s: float | None = None) -> dict[str, Any] | None:
+    """The model stage's decision record: which model answered, the models a fallback chain moved on
+    from, how long the run waited for a slot of the agent's `max_concurrency`, and whether what was
+    stored is not all the model said (TL_MAX_TEXT_CHARS); None when there is nothing to say."""
+    decision: dict[str, Any] = {}
+    if outcome.model:
+        decision["model"] = outcome.model
+    if outcome.fallback_from:
+        decision["fallback_from"] = list(outcome.fallback_from)
+    if limit_wait_s is not None:
+        decision["limit_wait_ms"] = round(limit_wait_s * 1000, 1)
+    if outcome.truncated_parts:
+        decision["truncated_parts"] = outcome.truncated_parts
+    if outcome.guard:
+        decision["guard"] = outcome.guard  # the output guard replaced the answer
+    return decision or None
+
+
+def answered_by(new: Sequence[ModelMessage], failure: BaseException | None) -> tuple[str | None, list[str]]:
+    """Which model gave the run's last response, and which models a fallback chain gave up on
+    before (on any request of the run, or all of them when the whole chain failed)."""
+    responses = [m for m in new if isinstance(m, ModelResponse)]
+    attempts = [a for r in responses for a in r.failed_attempts or ()]
+    if isinstance(failure, FallbackExceptionGroup):
+        attempts.extend(failure.attempts)
+    return (responses[-1].model_name if responses else None), list(dict.fromkeys(a.model_name for a in attempts))
 
 
 def _pending_calls(output: DeferredToolRequests) -> list[dict[str, Any]]:
@@ -232,9 +303,25 @@ def _classify(output: object, failure: BaseException | None, secrets: Sequence[s
         return "timed_out", "timed_out", "the turn's deadline passed", False, None
     if isinstance(failure, RunCancelled):
         return "cancelled", "cancelled", "the turn was cancelled", False, None
+    failure = deciding_error(failure)
     code, transient = model_error_code(failure)
     retry_after = failure.retry_after if isinstance(failure, ModelAPIError) else None
     return "failed", code, _safe_message(failure, secrets), transient, retry_after
+
+
+def deciding_error(error: BaseException) -> BaseException:
+    """The error that classifies a failure: of a fallback chain that failed as a whole, the first
+    transient one (trying again later may help), else the first."""
+    if not isinstance(error, FallbackExceptionGroup) or not error.exceptions:
+        return error
+    members = [deciding_error(e) for e in error.exceptions]
+    return next((e for e in members if is_transient(e)), members[0])
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether trying again (or another model) may help: rate limits, 5xx, connection errors, and
+    not a bad request. A fallback chain moves on exactly on these."""
+    return model_error_code(deciding_error(error))[1]
 
 
 def retry_delay_s(outcome: InvokeOutcome, *, attempt: int, max_attempts: int) -> float | None:

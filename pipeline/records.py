@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .config import AgentConfig
 from .contracts import FileRef, Usage
+from .guards import GuardDecision
 
 MessageStatus = Literal["pending", "succeeded", "failed", "cancelled", "timed_out", "paused"]
 
@@ -55,6 +56,8 @@ class MessageRecord(_Record):
     tools: list[ToolActivity] = Field(default_factory=list)
     created_at: float = 0.0
     updated_at: float = 0.0
+    #: Why a guard answered instead of the model, or replaced its answer: {"kind", "rule"}.
+    guard: dict[str, str] | None = None
 
 
 class ResolvedTurn(_Record):
@@ -73,6 +76,8 @@ class ResolvedTurn(_Record):
     files: list[FileRef] = Field(default_factory=list)
     context: str | None = None
     deferred_answers: dict[str, Any] | None = None
+    #: The input guards' verdict: the turn is answered with its reply, without calling the model.
+    guard: GuardDecision | None = None
     deadline_s: float
     accepted_at: float
     tenant_id: str

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .budget import answering_limits
 from .config import AgentConfig, expand_variables, whitelisted_settings
 from .contracts import TurnRequest
 from .errors import Forbidden, InvalidRequest, SessionConfigurationChanged
+from .guards import GuardDecision, check_input
 from .records import ConversationRecord, ResolvedTurn
 
 
@@ -32,6 +34,8 @@ class ResolveDecision:
     config_ref: str
     new_conversation: bool
     missing_variables: list[str] = field(default_factory=list)
+    #: The input guards' verdict (None: the model answers).
+    guard: GuardDecision | None = None
 
 
 def choose_config(request: TurnRequest, conversation: ConversationRecord | None) -> ConfigRef:
@@ -76,8 +80,10 @@ def resolve_turn(
     instructions, missing = expand_variables(config.instructions, request.inputs)
     settings = whitelisted_settings(config.settings)
     if "max_tokens" not in settings:
-        settings["max_tokens"] = config.model.max_output_tokens
+        settings["max_tokens"] = answering_limits(config.model).max_output
     pinned = config.model_copy(update={"settings": settings})
+    # a resume carries the human's answers to the model's own question, not a new query: not guarded
+    guard = check_input(config.guards, request.query, request.inputs) if deferred is None else None
     resolved = ResolvedTurn(
         turn_id=request.turn_id,
         conversation_id=conversation.id if conversation else new_conversation_id,
@@ -91,13 +97,14 @@ def resolve_turn(
         files=list(request.files),
         context=request.context,
         deferred_answers=deferred,
+        guard=guard,
         deadline_s=request.deadline_s or config.deadline_s,
         accepted_at=now,
         tenant_id=request.tenant_id,
         app_id=request.app_id,
         user_id=request.user_id,
     )
-    return resolved, ResolveDecision(config_ref, conversation is None, missing)
+    return resolved, ResolveDecision(config_ref, conversation is None, missing, guard)
 
 
 def _parent(request: TurnRequest, conversation: ConversationRecord | None) -> str | None:

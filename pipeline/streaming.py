@@ -21,6 +21,7 @@ from pydantic_ai.messages import (
 )
 
 from . import events
+from .guards import StreamGuard
 from .limits import limit_jsonable
 from .records import ToolActivity
 
@@ -77,10 +78,13 @@ TRUNCATED = "\n[… truncated]"
 class RunEvents:
     """Translates one run's stream events into turn events, and keeps its tool activity.
     `tool_payload_chars` bounds the text streamed, and the arguments and results carried by events
-    and rows."""
+    and rows. `guard` (the output guard's hold-back) lets out only text that cannot be part of a
+    match; after a hit no more text streams (the terminal event carries the guard's reply)."""
 
-    def __init__(self, turn_id: str, attempt: int, debouncer: TextDebouncer, *, tool_payload_chars: int) -> None:
+    def __init__(self, turn_id: str, attempt: int, debouncer: TextDebouncer, *, tool_payload_chars: int,
+                 guard: StreamGuard | None = None) -> None:
         self.turn_id = turn_id
+        self.guard = guard
         self.attempt = attempt
         self.tools: dict[str, ToolActivity] = {}
         self.debouncer = debouncer
@@ -119,12 +123,20 @@ class RunEvents:
         text = self.debouncer.flush()
         return [self._delta(text)] if text else []
 
+    def end(self, now: float) -> list[events.Event]:
+        """The run is over: the text the guard held back (unless it completes a match), then the rest."""
+        held = self._stream(self.guard.finish(), now) if self.guard is not None else []
+        return [*held, *self.flush()]
+
     def tick(self, now: float) -> list[events.Event]:
         """Buffered text whose window has passed."""
         return self.flush() if self.debouncer.due(now) else []
 
     def _text(self, text: str, now: float) -> list[events.Event]:
-        if self._room <= 0:
+        return self._stream(self.guard.feed(text) if self.guard is not None else text, now)
+
+    def _stream(self, text: str, now: float) -> list[events.Event]:
+        if self._room <= 0 or not text:
             return []
         if len(text) >= self._room:
             text = text[: self._room] + TRUNCATED

@@ -9,18 +9,20 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.client import Client
 from threadline.workers.embedded import ensure_embedded
 from threadline.workers.settings import Settings
+from threadline.workers.store import Store
 from threadline.workers.worker import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,6 +185,18 @@ def client(redis_url: str, prefix: str) -> Iterator[Client]:
     c = Client(redis_url, prefix=prefix)
     yield c
     c.close()
+
+
+@pytest.fixture
+async def store(redis_url: str) -> AsyncIterator[Store]:
+    """A worker-side store on a key prefix of its own, every key under it removed afterwards."""
+    prefix = f"tls{uuid.uuid4().hex[:8]}"
+    settings = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url)
+    s = Store(aioredis.Redis.from_url(redis_url), settings, DEFAULT_GRAPH)
+    yield s
+    async for key in s.redis.scan_iter(f"{prefix}:*", count=1000):
+        await s.redis.delete(key)
+    await s.close()
 
 
 AgentFactory = Callable[..., str]

@@ -1,24 +1,29 @@
-"""`threadline`: demo, worker, submit, events, cancel, agents put, thread."""
+"""`threadline`: demo, worker, submit, events, cancel, agents (put, list, show, versions, publish, rollback, diff),
+thread, conversations delete."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from threadline.pipeline import events
-from threadline.pipeline.errors import ThreadlineError
+from threadline.pipeline.errors import AgentNotFound, ThreadlineError
 from threadline.pipeline.events import TERMINAL_TYPES, Event
 
+from . import agents as agent_registry
 from .client import Client
 from .embedded import EmbeddedServer, ensure_embedded
 from .logs import configure_logging
 from .settings import Settings
+from .store import DeleteResult
 from .worker import Supervisor
 
 
@@ -115,15 +120,70 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def cmd_agents_put(args: argparse.Namespace, settings: Settings) -> int:
-    url, _ = connect(settings)
+def agents_command(run: Callable[[argparse.Namespace, Client], int]) -> Callable[[argparse.Namespace, Settings], int]:
+    """An `agents` subcommand: an unknown agent, version or draft is one line on stderr and exit 3,
+    bad input one line and exit 2."""
+
+    def command(args: argparse.Namespace, settings: Settings) -> int:
+        url, _ = connect(settings)
+        client = Client(url, prefix=settings.prefix)
+        try:
+            return run(args, client)
+        except ThreadlineError as e:
+            print(f"error [{e.code}]: {e.message}", file=sys.stderr)
+            return 3 if isinstance(e, AgentNotFound) else 2
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            client.close()
+
+    return command
+
+
+def agents_put(args: argparse.Namespace, client: Client) -> int:
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
-    try:
-        ref = Client(url, prefix=settings.prefix).put_agent(text, draft_id=args.draft)
-    except ThreadlineError as e:
-        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
-        return 2
-    print(ref)
+    result = client.put_agent_result(text, draft_id=args.draft, author=args.author)
+    print(result.ref if result.created else f"{result.ref} (unchanged)")
+    return 0
+
+
+def agents_list(args: argparse.Namespace, client: Client) -> int:
+    summaries = client.agents()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in summaries]))
+    else:
+        print("\n".join(agent_registry.render_agents(summaries)) or "no agents")
+    return 0
+
+
+def agents_show(args: argparse.Namespace, client: Client) -> int:
+    config = client.agent_config(args.agent, args.version)
+    print(config.model_dump_json(indent=2) if args.json else agent_registry.config_yaml(config).rstrip("\n"))
+    return 0
+
+
+def agents_versions(args: argparse.Namespace, client: Client) -> int:
+    history = client.agent_versions(args.agent)
+    print(json.dumps(history.as_json()) if args.json else "\n".join(agent_registry.render_versions(history)))
+    return 0
+
+
+def agents_publish(args: argparse.Namespace, client: Client) -> int:
+    result = client.publish_agent(args.agent, draft_id=args.draft, author=args.author)
+    print(result.ref if result.created else f"{result.ref} (unchanged: the draft is the active version)")
+    return 0
+
+
+def agents_rollback(args: argparse.Namespace, client: Client) -> int:
+    changed = client.rollback_agent(args.agent, args.version, author=args.author)
+    print(f"{args.agent}: v{agent_registry.parse_version(args.version)} is active" + ("" if changed else " (already)"))
+    return 0
+
+
+def agents_diff(args: argparse.Namespace, client: Client) -> int:
+    a, b = (client.registry.config(args.agent, agent_registry.parse_version(v)) for v in (args.v1, args.v2))
+    print(agent_registry.diff_configs(args.agent, a, b).rstrip("\n") or "identical")
     return 0
 
 
@@ -208,15 +268,12 @@ def parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason")
     cancel.set_defaults(func=cmd_cancel)
 
-    agents = sub.add_parser("agents", help="manage agent configs").add_subparsers(dest="agents", required=True)
-    put = agents.add_parser("put", help="register a config (YAML or JSON)")
-    put.add_argument("file")
-    put.add_argument("--draft", help="store as this draft instead of publishing a version")
-    put.set_defaults(func=cmd_agents_put)
+    add_agents_parser(sub)
 
     thread = sub.add_parser("thread", help="print a conversation's thread")
     thread.add_argument("conversation_id")
     thread.set_defaults(func=cmd_thread)
+    add_conversations_parser(sub)
 
     turn = sub.add_parser("turn", help="inspect a turn").add_subparsers(dest="turn", required=True)
     show = turn.add_parser("show", help="what a turn decided: budget, turns kept and dropped, tokenizer")
@@ -225,6 +282,105 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_turn_show)
     return p
+
+
+def add_agents_parser(sub: Any) -> None:
+    """`threadline agents ...`: versions, drafts, publish, rollback (`workers/agents.py`)."""
+    agents = sub.add_parser("agents", help="manage agent configs and their versions").add_subparsers(
+        dest="agents", required=True)
+    author = {"help": "who makes the change (default: $TL_AUTHOR, else the OS user name)"}
+    put = agents.add_parser("put", help="register a config (YAML or JSON): a new version unless it is the active one")
+    put.add_argument("file", help="the config document ('-' for stdin)")
+    put.add_argument("--draft", help="store as this draft (updated in place) instead of a new version")
+    put.add_argument("--author", **author)
+    put.set_defaults(func=agents_command(agents_put))
+    listing = agents.add_parser("list", help="every agent with its active and latest version")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(func=agents_command(agents_list))
+    show = agents.add_parser("show", help="print a version's config (default: the active one) as YAML")
+    show.add_argument("agent", help="the agent id")
+    show.add_argument("--version", help="the version, e.g. 3 or v3 (default: the active one)")
+    show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    show.set_defaults(func=agents_command(agents_show))
+    versions = agents.add_parser("versions", help="every version: when, by whom, how; which one is active")
+    versions.add_argument("agent", help="the agent id")
+    versions.add_argument("--json", action="store_true", help="print JSON, with every activation")
+    versions.set_defaults(func=agents_command(agents_versions))
+    publish = agents.add_parser("publish", help="the draft becomes the next immutable version, made active")
+    publish.add_argument("agent", help="the agent id")
+    publish.add_argument("--draft", help="the draft to publish (default: the agent's only draft); it is kept")
+    publish.add_argument("--author", **author)
+    publish.set_defaults(func=agents_command(agents_publish))
+    rollback = agents.add_parser("rollback", help="make an existing version active again for new conversations")
+    rollback.add_argument("agent", help="the agent id")
+    rollback.add_argument("version", help="the version, e.g. 3 or v3")
+    rollback.add_argument("--author", **author)
+    rollback.set_defaults(func=agents_command(agents_rollback))
+    diff = agents.add_parser("diff", help="a unified diff of two versions as YAML")
+    diff.add_argument("agent", help="the agent id")
+    diff.add_argument("v1", help="the old version, e.g. 1 or v1")
+    diff.add_argument("v2", help="the new version")
+    diff.set_defaults(func=agents_command(agents_diff))
+
+
+#: `conversations delete` exits 5 while a turn of the conversation runs or waits.
+EXIT_BUSY = 5
+
+
+def delete_when_idle(client: Client, conversation_id: str, *, tenant_id: str | None, cancel: bool,
+                     timeout_s: float) -> DeleteResult:
+    """Delete a conversation; with `cancel`, cancel the turns that keep it busy and try again until
+    it is idle (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    cancelled: set[str] = set()
+    while True:
+        result = client.delete_conversation(conversation_id, tenant_id=tenant_id)
+        if result.status != "busy" or not cancel or time.monotonic() > deadline:
+            return result
+        for turn_id in set(result.blocking) - cancelled:
+            client.cancel(turn_id, "the conversation is being deleted")
+            cancelled.add(turn_id)
+        time.sleep(0.1)
+
+
+def cmd_conversations_delete(args: argparse.Namespace, settings: Settings) -> int:
+    """Exit 0 deleted, 2 not an id, 3 not found (or another tenant's), 5 busy."""
+    url, _ = connect(settings)
+    client = Client(url, prefix=settings.prefix)
+    cid = args.conversation_id
+    try:
+        result = delete_when_idle(client, cid, tenant_id=args.tenant, cancel=args.cancel, timeout_s=args.timeout)
+    except ThreadlineError as e:
+        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+    if result.status == "deleted":
+        print(f"deleted conversation {cid}: {result.messages} messages, {result.turns} turns")
+        return 0
+    if result.status == "not_found":
+        print(f"threadline: conversation {cid} not found", file=sys.stderr)
+        return 3
+    running = f" (turn {result.blocking[0]} runs or waits)" if result.blocking else ""
+    print(f"threadline: conversation {cid} is busy{running}: cancel its turns first, or pass --cancel",
+          file=sys.stderr)
+    return EXIT_BUSY
+
+
+def add_conversations_parser(sub: Any) -> None:
+    """`threadline conversations delete ID`."""
+    conversations = sub.add_parser("conversations", help="manage stored conversations").add_subparsers(
+        dest="conversations", required=True)
+    delete = conversations.add_parser(
+        "delete", help="delete a conversation: its messages, snapshots, summaries and its turns' records and events "
+                       "(usage counters stay); exit 3 not found, 5 busy")
+    delete.add_argument("conversation_id", help="the conversation id")
+    delete.add_argument("--tenant", help="only if the conversation is this tenant's (otherwise: not found)")
+    delete.add_argument("--cancel", action="store_true",
+                        help="cancel the turns that run or wait in it, then delete once it is idle")
+    delete.add_argument("--timeout", type=float, default=30.0,
+                        help="with --cancel: seconds to wait for the conversation to become idle (default 30)")
+    delete.set_defaults(func=cmd_conversations_delete)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

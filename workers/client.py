@@ -16,61 +16,86 @@ import redis
 from pydantic_ai.messages import ModelMessage
 
 from threadline.pipeline import events as ev
-from threadline.pipeline.config import AgentConfig, config_to_json, parse_agent_config
+from threadline.pipeline.config import AgentConfig, parse_agent_config
 from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id, valid_id, valid_turn_id
+from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.events import TERMINAL_TYPES, Event, Terminal
 from threadline.pipeline.history import encode_messages, extract_thread
+from threadline.pipeline.policy import ModelPolicy
 from threadline.pipeline.records import ConversationRecord, MessageRecord
 from threadline.pipeline.stages import DEFAULT_GRAPH
 
 from . import lua
+from .agents import AgentRegistry, AgentSummary, AgentVersions, PutResult, default_author, parse_version
 from .broker import build_message
 from .control import CANCEL_ACTOR, CONTROL_QUEUE
 from .keys import Keys
 from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
-from .settings import Settings
+from .settings import Settings, model_policy
+from .store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
 
 #: The stage producers enqueue turns to: the graph's admit stage.
 ADMIT = DEFAULT_GRAPH.first
 
 
 class Client:
-    def __init__(self, url: str, *, prefix: str = "tl") -> None:
+    def __init__(self, url: str, *, prefix: str = "tl", policy: ModelPolicy | None = None) -> None:
         self.url = url
+        #: What `put_agent` refuses (TL_KEY_ENV_ALLOW, TL_BASE_URL_ALLOW); default: this process's env.
+        self.policy = policy if policy is not None else model_policy()
         self.redis = redis.Redis.from_url(url)
         self.keys = Keys(prefix)
         self.namespace = f"{prefix}:q"
         self._submit = self.redis.register_script(lua.source("submit"))
+        self._delete = self.redis.register_script(lua.source("delete_conversation"))
+        self.registry = AgentRegistry(self.redis, self.keys)
 
     @classmethod
     def from_settings(cls, settings: Settings, url: str | None = None) -> Client:
         target = url or settings.redis_url
         if target is None:
             raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
-        return cls(target, prefix=settings.prefix)
+        return cls(target, prefix=settings.prefix, policy=settings.policy)
 
     def close(self) -> None:
         self.redis.close()
 
     # --- agents --------------------------------------------------------------------------------
 
-    def put_agent(self, config: AgentConfig | str | bytes, *, draft_id: str | None = None) -> str:
-        """Register a config: a new immutable published version made active, or a draft updated in
-        place. Returns the config reference ("v<N>" or "draft:<id>")."""
+    def put_agent(self, config: AgentConfig | str | bytes, *, draft_id: str | None = None,
+                  author: str | None = None) -> str:
+        """Register a config: a new immutable version made active, or a draft updated in place.
+        Returns the config reference ("v<N>" or "draft:<id>"); a document identical to the active
+        version returns that version and writes nothing (`put_agent_result` says which happened)."""
+        return self.put_agent_result(config, draft_id=draft_id, author=author).ref
+
+    def put_agent_result(self, config: AgentConfig | str | bytes, *, draft_id: str | None = None,
+                         author: str | None = None) -> PutResult:
+        """`put_agent`, telling whether a version was created."""
         if not isinstance(config, AgentConfig):
             config = parse_agent_config(config)
-        data = config_to_json(config)
+        self.policy.check_agent(config)
         if draft_id is not None:
-            self.redis.set(self.keys.agent_draft(config.id, draft_id), data)
-            self.redis.sadd(self.keys.agents(), config.id)
-            return f"draft:{draft_id}"
-        version = int(self.redis.hincrby(self.keys.agent(config.id), "latest", 1))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self.keys.agent_version(config.id, version), data)
-        pipe.hset(self.keys.agent(config.id), "active", version)
-        pipe.sadd(self.keys.agents(), config.id)
-        pipe.execute()
-        return f"v{version}"
+            return self.registry.put_draft(config, draft_id)
+        return self.registry.put(config, author=author or default_author())
+
+    def publish_agent(self, agent_id: str, *, draft_id: str | None = None, author: str | None = None) -> PutResult:
+        """The draft (the only one when `draft_id` is None) becomes the next version, made active."""
+        return self.registry.publish(agent_id, draft_id=draft_id, author=author or default_author())
+
+    def rollback_agent(self, agent_id: str, version: int | str, *, author: str | None = None) -> bool:
+        """Make an existing version ("3" or "v3") active for new conversations; False if it already was."""
+        return self.registry.rollback(agent_id, parse_version(version), author=author or default_author())
+
+    def agents(self) -> list[AgentSummary]:
+        return self.registry.agents()
+
+    def agent_versions(self, agent_id: str) -> AgentVersions:
+        return self.registry.versions(agent_id)
+
+    def agent_config(self, agent_id: str, version: int | str | None = None) -> AgentConfig:
+        """A version's config (default: the active one); `AgentNotFound` when there is none."""
+        return self.registry.config(agent_id, None if version is None else parse_version(version))[1]
 
     # --- turns ---------------------------------------------------------------------------------
 
@@ -215,8 +240,27 @@ class Client:
                                     revision=len(turns), tip=parent, created_at=now)
         fields = {**conversation_to_hash(record), "message_seq": str(len(turns))}
         pipe.hset(self.keys.conversation(conversation_id), mapping=cast(Any, fields))
+        # indexed whether or not the workers' retention is on (the client does not know): an entry
+        # costs nothing unread, and goes with the conversation
+        pipe.zadd(self.keys.activity(), {conversation_id: now})
         pipe.execute()
         return parent or ""
+
+    def delete_conversation(self, conversation_id: str, *, tenant_id: str | None = None) -> DeleteResult:
+        """Delete a conversation: its rows, snapshots, summaries, token counts, decision records and
+        every key of its turns (records, events, artifacts). "busy" while a turn of it runs or waits
+        (cancel them first); "not_found" when it does not exist or `tenant_id` is not its tenant's.
+        Usage counters are billing history, not conversation content: they stay."""
+        if valid_id(conversation_id) is None:
+            raise InvalidRequest(f"{conversation_id!r} is not a conversation id")
+        for _ in range(DELETE_ATTEMPTS):
+            rows = {text(mid): turn_of_row(row)
+                    for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
+            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows)
+            result = delete_result(conversation_id, self._delete(keys=keys, args=[arg]))
+            if result is not None:
+                return result
+        return DeleteResult("busy", conversation_id)
 
     def snapshot(self, conversation_id: str, message_id: str) -> bytes | None:
         return as_bytes(self.redis.hget(self.keys.snapshots(conversation_id), message_id))

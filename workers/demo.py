@@ -35,7 +35,9 @@ def run_demo(settings: Settings, *, delay_ms: int) -> int:
         config = parse_agent_config(text)
         model = config.model.model_copy(update={"options": {"delay_ms": delay_ms}})
         config = config.model_copy(update={"model": model})
-        version = client.put_agent(config)
+        # the same document as last run is the same version: `put` makes a new one only on a change
+        put = client.put_agent_result(config)
+        version = put.ref if put.created else f"{put.ref} (unchanged)"
         print(f"Threadline demo: {settings.processes} worker processes on {url}; agent {config.id} {version}\n")
         return _conversation(client, config.id)
     finally:

@@ -7,6 +7,7 @@ contain `:` or braces (`pipeline.contracts.ID_PATTERN`), so no id can name anoth
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -30,6 +31,18 @@ class Keys:
     def agents(self) -> str:
         """Set of registered agent ids."""
         return f"{self.prefix}:agents"
+
+    def agent_versions(self, agent_id: str) -> str:
+        """Hash: version number -> who made it, when, how, and its config's digest (JSON)."""
+        return f"{self.prefix}:agent:{agent_id}:versions"
+
+    def agent_activations(self, agent_id: str) -> str:
+        """List: every change of the active version (version, action, who, when; JSON), newest first."""
+        return f"{self.prefix}:agent:{agent_id}:activations"
+
+    def agent_drafts(self, agent_id: str) -> str:
+        """Set: the agent's draft ids."""
+        return f"{self.prefix}:agent:{agent_id}:drafts"
 
     # --- conversations ------------------------------------------------------------------------
     def conversation(self, conversation_id: str) -> str:
@@ -74,6 +87,27 @@ class Keys:
         turn before it can wake it and the watchdog can run it again."""
         return f"{self.prefix}:conv:{{{conversation_id}}}:waiting"
 
+    def conversation_keys(self, conversation_id: str) -> tuple[str, ...]:
+        """Every key of a conversation (a delete removes them all; its turns' keys go by turn id)."""
+        return (self.conversation(conversation_id), self.messages(conversation_id),
+                self.message_order(conversation_id), self.snapshots(conversation_id),
+                self.token_counts(conversation_id), self.summaries(conversation_id), self.decisions(conversation_id),
+                self.turn_queue(conversation_id), self.lease(conversation_id), self.waiting(conversation_id))
+
+    def activity(self) -> str:
+        """Sorted set: conversation id scored by its last activity (a turn admitted, a turn's row
+        written), kept while `TL_RETENTION_DAYS` is set; the watchdog deletes the idle ones."""
+        return f"{self.prefix}:activity"
+
+    def activity_backfill(self) -> str:
+        """String: set once the conversations stored before retention was on entered `activity`."""
+        return f"{self.prefix}:activity:backfilled"
+
+    def model_limit(self, agent_id: str) -> str:
+        """Sorted set: the holders of the agent's model slots (`model.max_concurrency`), each a token
+        scored by its lease's expiry (ms, server time); an expired holder's worker died."""
+        return f"{self.prefix}:limit:{agent_id}"
+
     # --- turns --------------------------------------------------------------------------------
     def turn(self, turn_id: str) -> str:
         """Hash: status, stage markers, attempt, conversation, fence, deadline."""
@@ -93,6 +127,11 @@ class Keys:
     def model_claim(self, turn_id: str) -> str:
         """String: the worker running the turn's model call; expires unless renewed."""
         return f"{self.prefix}:turn:{turn_id}:claim"
+
+    def turn_keys(self, turn_id: str, stages: Iterable[str]) -> tuple[str, ...]:
+        """Every key of a turn: its record, events, the artifacts of `stages`, cancel flag, model claim."""
+        return (self.turn(turn_id), self.events(turn_id), *(self.artifact(turn_id, s) for s in stages),
+                self.cancel_flag(turn_id), self.model_claim(turn_id))
 
     def running(self) -> str:
         """Sorted set: turns between admission and their end, scored by their last progress."""

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from threadline.pipeline.budget import history_budget
+from threadline.pipeline.budget import answering_limits, history_budget
 from threadline.pipeline.history import ThreadRead, count_turn, summary_messages
 from threadline.pipeline.invoke import run_instructions, user_prompt
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
@@ -36,8 +36,9 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
     tools = build_tools(turn.config.tools, allow_python=rt.settings.allow_python_models)
     prompt = user_prompt(turn, vision=False)
     query = prompt if isinstance(prompt, str) else " ".join(p for p in prompt or () if isinstance(p, str))
+    limits = answering_limits(spec)  # the history must fit every model that may answer (fallbacks)
     budget = history_budget(
-        context_window=spec.context_window, max_output=spec.max_output_tokens,
+        context_window=limits.context_window, max_output=limits.max_output,
         safety_margin=turn.config.memory.safety_margin_tokens,
         instructions=_text_tokens(run_instructions(turn), tokenizer), query=_text_tokens(query, tokenizer),
         tools=count_tool_definitions([t.tool_def for t in tools], tokenizer),

@@ -21,10 +21,14 @@ from typing import Any, Literal
 
 ScriptName = Literal[
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
+    "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
+    "delete_conversation",
 ]
-#: The scripts of the turn state machine (the broker's `dead_letter` is registered by its consumers).
+#: The scripts of the turn state machine (the broker's `dead_letter` and the agent registry's
+#: `agent_*` are registered by their consumers).
 SCRIPT_NAMES: tuple[ScriptName, ...] = (
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release",
+    "slot_acquire", "slot_renew", "slot_release", "delete_conversation",
 )
 
 

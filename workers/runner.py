@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -35,8 +35,16 @@ from threadline.pipeline.contracts import (
     valid_turn_id,
 )
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
+from threadline.pipeline.guards import stream_guard
 from threadline.pipeline.history import decode_messages, turn_messages
-from threadline.pipeline.invoke import InvokeOutcome, TurnDeps, retry_delay_s, run_turn
+from threadline.pipeline.invoke import (
+    InvokeOutcome,
+    TurnDeps,
+    answer_without_model,
+    invoke_decision,
+    retry_delay_s,
+    run_turn,
+)
 from threadline.pipeline.persist import final_row, new_conversation, pending_row
 from threadline.pipeline.records import ConversationRecord, MessageRecord, ResolvedTurn
 from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
@@ -45,6 +53,7 @@ from threadline.pipeline.streaming import RunEvents, TextDebouncer
 
 from .broker import build_message
 from .control import CANCEL_ACTOR, CONTROL_QUEUE
+from .limiter import limited_model, turn_limiter
 from .loaders import LOADERS
 from .runtime import Runtime
 from .store import WAKE_ID, Accept, Begin, Finish, Next
@@ -115,13 +124,13 @@ async def _start(rt: Runtime, stage: Stage, env: Envelope, *, claim: str = "") -
 
 
 async def _hand_over(rt: Runtime, stage: Stage, s: Started, artifact: str,
-                     decision: Mapping[str, Any] | None = None) -> None:
+                     decision: Mapping[str, Any] | None = None, *, before: Sequence[events.Event] = ()) -> None:
     following = rt.graph.next(stage.name)
     assert following is not None, "the finish stage hands over to no one"
     arg = Envelope(turn_id=s.env.turn_id, stage=following.name, attempt=s.begin.attempt).model_dump()
     await rt.store.advance(
         s.env.turn_id, stage.name, next_=Next(following.name, arg, rt.new_id()), now=rt.now(), now_ms=rt.now_ms(),
-        artifact=artifact, events_=[_finished(s, stage, decision)], fence=s.begin.fence,
+        artifact=artifact, events_=[*before, _finished(s, stage, decision)], fence=s.begin.fence,
         conversation_id=s.turn.conversation_id, decision=decision,
     )
 
@@ -154,7 +163,10 @@ async def run_model(rt: Runtime, stage: Stage, envelope: object) -> None:
         if (s := await _start(rt, stage, env, claim=rt.worker_id)) is None:
             return
         try:
-            await _call_model(rt, stage, s, token)
+            if s.turn.guard is not None:
+                await _answer_without_model(rt, stage, s)
+            else:
+                await _call_model(rt, stage, s, token)
         except Exception:
             # dramatiq retries this message: its next delivery must not find our claim and stand down
             await rt.store.release_claim(env.turn_id, rt.worker_id)
@@ -179,6 +191,15 @@ async def _claim_heartbeat(rt: Runtime, turn_id: str) -> AsyncIterator[None]:
         task.cancel()
 
 
+async def _answer_without_model(rt: Runtime, stage: Stage, s: Started) -> None:
+    """A turn the input guards answered: no model is built or called; the reply goes out as one text
+    delta, with the stage's end, and the turn ends like any other."""
+    outcome = answer_without_model(s.turn)
+    log.info("invoked", status=outcome.status, guard=outcome.guard)
+    delta = events.TextDelta(turn_id=s.env.turn_id, attempt=s.begin.attempt, text=outcome.answer)
+    await _hand_over(rt, stage, s, outcome.model_dump_json(), before=[delta])
+
+
 async def _call_model(rt: Runtime, stage: Stage, s: Started, token: CancellationToken) -> None:
     turn, turn_id, attempt = s.turn, s.env.turn_id, s.begin.attempt
     try:
@@ -189,17 +210,20 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
         return
     deadline_at = s.begin.deadline_at or rt.now() + turn.deadline_s
     translator = RunEvents(turn_id, attempt, TextDebouncer(window_s=rt.settings.debounce_ms / 1000),
-                           tool_payload_chars=rt.settings.max_text_chars)
-    async with _claim_heartbeat(rt, turn_id), TurnStream(translator, partial(rt.store.emit, turn_id), rt.now) as stream:
+                           tool_payload_chars=rt.settings.max_text_chars, guard=stream_guard(turn.config.guards))
+    spec = turn.config.model
+    async with (_claim_heartbeat(rt, turn_id),
+                turn_limiter(rt.store, turn.config.id, limit=spec.max_concurrency, turn_id=turn_id) as limiter,
+                TurnStream(translator, partial(rt.store.emit, turn_id), rt.now) as stream):
         outcome = await run_turn(turn, history, agent=agent, attempt=attempt, stream=stream, token=token,
                                  clock=rt.now, timeout_s=deadline_at - rt.now(), max_chars=rt.settings.max_text_chars,
-                                 secrets=rt.secrets(turn.config.model))
+                                 secrets=rt.secrets(spec),
+                                 model=limited_model(agent, limiter))
     log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump(),
-             truncated_parts=outcome.truncated_parts)
+             truncated_parts=outcome.truncated_parts, model=outcome.model, fallback_from=outcome.fallback_from)
     delay_s = retry_delay_s(outcome, attempt=attempt, max_attempts=rt.settings.max_invoke_attempts)
     if delay_s is None:
-        # the record says when what was stored is not all the model said (TL_MAX_TEXT_CHARS)
-        decision = {"truncated_parts": outcome.truncated_parts} if outcome.truncated_parts else None
+        decision = invoke_decision(outcome, limit_wait_s=limiter.waited_s if limiter else None)
         await _hand_over(rt, stage, s, outcome.model_dump_json(), decision)
         return
     reason = f"{outcome.code}: {outcome.message}"
@@ -221,10 +245,12 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
     outcome = InvokeOutcome.model_validate_json(s.begin.previous)
     row = final_row(turn, status=outcome.status, now=rt.now(), answer=outcome.answer, usage=outcome.usage,
                     code=outcome.code, tools=outcome.tools)
+    if outcome.guard:
+        row = row.model_copy(update={"guard": outcome.guard})
     terminal = events.terminal(
         env.turn_id, s.begin.attempt, outcome.status, answer=outcome.answer, usage=outcome.usage,
         code=outcome.code, message=outcome.message, pending_tool_calls=outcome.pending_tool_calls,
-        conversation_id=turn.conversation_id, message_id=turn.message_id,
+        conversation_id=turn.conversation_id, message_id=turn.message_id, model=outcome.model,
     )
     result = await rt.store.finish(
         Finish(turn_id=env.turn_id, event=terminal, conversation_id=turn.conversation_id, message=row,
@@ -401,6 +427,8 @@ async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begi
     following = rt.graph.next(stage.name)
     assert following is not None
     s = Started(Envelope(turn_id=turn_id, stage=stage.name), begin, resolved, t0)
+    # the input guards' verdict is the stage's decision record (`threadline turn show` prints it)
+    decision = resolved.guard.record() if resolved.guard is not None else None
     accepted = events.Accepted(turn_id=turn_id, conversation_id=resolved.conversation_id,
                                message_id=resolved.message_id, parent_message_id=resolved.parent_message_id,
                                config_version=resolved.config_ref)
@@ -410,7 +438,8 @@ async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begi
         turn_id, stage.name, next_=Next(following.name, Envelope(turn_id=turn_id, stage=following.name).model_dump(),
                                         rt.new_id()),
         now=rt.now(), now_ms=rt.now_ms(), artifact=resolved.model_dump_json(),
-        events_=[accepted, started, _finished(s, stage)], fence=begin.fence, conversation_id=resolved.conversation_id,
+        events_=[accepted, started, _finished(s, stage, decision)], fence=begin.fence,
+        conversation_id=resolved.conversation_id, decision=decision,
         accept=Accept(new_conversation(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s),
     )
 

@@ -52,14 +52,16 @@ class Runtime:
             agent = self._agents.get(key)
             if agent is None:
                 allow = self.settings.allow_python_models
-                model = build_model(spec, env=self.settings.secrets, allow_python=allow)
+                # a config stored by an older client (or raw Redis) must not leak a key either
+                self.settings.policy.check(spec)
+                model = build_model(spec, env=self.settings.model_env, allow_python=allow)
                 agent = build_agent(model, build_tools(tools, allow_python=allow))
                 self._agents[key] = agent
             return agent
 
     def secrets(self, spec: ModelSpec) -> list[str]:
         """The key values a model uses: scrubbed from its error messages and from every log line."""
-        values = model_secrets(spec, self.settings.secrets)
+        values = model_secrets(spec, self.settings.model_env)
         for value in values:
             add_secret(value)
         return values

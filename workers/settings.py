@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from threadline.pipeline.policy import CONVENTIONAL_KEY_NAMES, ModelPolicy
+
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
     value = env.get(name)
@@ -18,6 +20,21 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     value = env.get(name)
     return float(value) if value not in (None, "") else default
+
+
+def _names(env: Mapping[str, str], name: str) -> tuple[str, ...] | None:
+    """A comma-separated list; None when the variable is unset (an empty value is an empty list)."""
+    value = env.get(name)
+    return None if value is None else tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def model_policy(env: Mapping[str, str] | None = None) -> ModelPolicy:
+    """`TL_KEY_ENV_ALLOW` (default: the providers' conventional key variables) and `TL_BASE_URL_ALLOW`
+    (default: none): what `agents put` refuses and what workers read (`pipeline/policy.py`)."""
+    env = os.environ if env is None else env
+    keys = _names(env, "TL_KEY_ENV_ALLOW")
+    return ModelPolicy(key_env_allow=CONVENTIONAL_KEY_NAMES if keys is None else frozenset(keys),
+                       base_url_allow=_names(env, "TL_BASE_URL_ALLOW") or ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +68,9 @@ class Settings:
     #: A turn with no progress (and no live invoke claim) for this long is enqueued again.
     stall_s: float = 60.0
     watchdog_s: float = 10.0
+    #: Conversations idle (no turn admitted or ended) longer than this many days are deleted by the
+    #: watchdog; 0 keeps them forever (and keeps no activity index).
+    retention_days: float = 0.0
     #: Times the watchdog runs a stalled turn again before it ends the turn `failed`.
     max_recoveries: int = 3
     max_invoke_attempts: int = 3
@@ -59,10 +79,17 @@ class Settings:
     #: Configs may name `python:module:function` models and tools (tests, trusted deployments).
     allow_python_models: bool = False
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: The key variables configs may name and the URLs a conventional key may go to.
+    policy: ModelPolicy = field(default_factory=ModelPolicy)
 
     @property
     def broker_namespace(self) -> str:
         return f"{self.prefix}:q"
+
+    @property
+    def model_env(self) -> dict[str, str]:
+        """The only variables model builders see: the allowed key variables and the region."""
+        return self.policy.readable_env(self.secrets)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -91,9 +118,11 @@ class Settings:
             invoke_lease_s=_float(env, "TL_INVOKE_LEASE_S", 30.0),
             stall_s=_float(env, "TL_STALL_S", 60.0),
             watchdog_s=_float(env, "TL_WATCHDOG_S", 10.0),
+            retention_days=max(0.0, _float(env, "TL_RETENTION_DAYS", 0.0)),
             max_recoveries=_int(env, "TL_MAX_RECOVERIES", 3),
             max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3),
             max_retries=_int(env, "TL_MAX_RETRIES", 5),
             allow_python_models=env.get("TL_ALLOW_PYTHON_PLUGINS", "") in ("1", "true", "yes"),
             secrets=dict(env),
+            policy=model_policy(env),
         )

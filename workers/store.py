@@ -10,6 +10,7 @@ from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import WatchError
 
 from threadline.pipeline import events
 from threadline.pipeline.config import AgentConfig, config_from_json
@@ -26,6 +27,10 @@ from .settings import Settings
 
 BeginStatus = Literal["go", "unknown", "done", "terminal", "cancelled", "timed_out", "duplicate"]
 Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled"]
+DeleteStatus = Literal["deleted", "not_found", "busy"]
+#: Reads of a conversation's rows a delete makes before it gives up on a conversation whose turns
+#: keep coming and going between its read and its script.
+DELETE_ATTEMPTS = 5
 #: The placeholder for the id of the message that wakes a waiting turn (finish.lua fills it in).
 WAKE_ID = "@@WAKE_ID@@"
 
@@ -83,6 +88,46 @@ class Finish:
     before: Sequence[events.Event] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    status: DeleteStatus
+    conversation_id: str
+    messages: int = 0
+    turns: int = 0
+    #: When busy: the turn holding the conversation, then those waiting in its line (up to 50).
+    blocking: tuple[str, ...] = ()
+
+
+def turn_of_row(row: bytes | str) -> str:
+    """The turn a stored message row belongs to."""
+    return str(json.loads(row)["turn_id"])
+
+
+def deletion(keys: Keys, graph: StageGraph, conversation_id: str, *, tenant_id: str | None,
+             rows: Mapping[str, str]) -> tuple[list[str], str]:
+    """KEYS and ARGV[1] of delete_conversation.lua, for the rows read (message id -> turn id)."""
+    cid, k = conversation_id, keys
+    head = [k.conversation(cid), k.messages(cid), k.turn_queue(cid), k.lease(cid), k.waiting(cid)]
+    turns = sorted(set(rows.values()))
+    stages = [s.name for s in graph.turn_stages]
+    rest = [key for key in k.conversation_keys(cid) if key not in head]
+    owned = [key for turn_id in turns for key in k.turn_keys(turn_id, stages)]
+    return ([*head, k.running(), k.activity(), *rest, *owned],
+            lua.payload(conversation_id=cid, tenant_id=tenant_id or "", messages=sorted(rows), turns=turns))
+
+
+def delete_result(conversation_id: str, reply: Sequence[bytes | int]) -> DeleteResult | None:
+    """The script's reply; None when the rows changed since they were read (read them again)."""
+    status = text(cast(bytes, reply[0]))
+    if status == "deleted":
+        return DeleteResult("deleted", conversation_id, messages=int(reply[1]), turns=int(reply[2]))
+    if status == "busy":
+        return DeleteResult("busy", conversation_id, blocking=tuple(text(cast(bytes, t)) for t in reply[1:]))
+    if status == "not_found":
+        return DeleteResult("not_found", conversation_id)
+    return None
+
+
 class Store:
     def __init__(self, client: aioredis.Redis, settings: Settings, graph: StageGraph) -> None:
         self.redis = client
@@ -117,10 +162,10 @@ class Store:
             "admit",
             [k.turn(turn_id), k.cancel_flag(turn_id), k.running(), k.turn_queue(conversation_id),
              k.lease(conversation_id), k.waiting(conversation_id), k.queue_messages(self.graph.first.queue),
-             k.queue(self.graph.first.queue)],
+             k.queue(self.graph.first.queue), k.activity()],
             lua.payload(turn_id=turn_id, conversation_id=conversation_id, now=now,
                         done=f"done:{self.graph.first.name}", channel=k.doorbell_channel(),
-                        queue=self.graph.first.queue),
+                        queue=self.graph.first.queue, activity=self.settings.retention_days > 0),
             request,
         )
         status = cast(Admission, text(reply[0]))
@@ -208,7 +253,7 @@ class Store:
             "finish",
             [k.turn(f.turn_id), k.events(f.turn_id), k.cancel_flag(f.turn_id), k.model_claim(f.turn_id), k.running(),
              k.conversation(cid), k.messages(cid), k.snapshots(cid), k.lease(cid), k.turn_queue(cid), k.waiting(cid),
-             k.usage(f.tenant_id or "-"), k.queue_messages(admit_queue), k.queue(admit_queue),
+             k.usage(f.tenant_id or "-"), k.queue_messages(admit_queue), k.queue(admit_queue), k.activity(),
              *(k.artifact(f.turn_id, s.name) for s in self.graph.turn_stages)],
             lua.payload(
                 turn_id=f.turn_id, status=f.event.type, conversation_id=f.conversation_id,
@@ -216,6 +261,7 @@ class Store:
                 usage=usage.model_dump() if usage else {}, pending=json.dumps(list(f.pending_tool_calls)),
                 channel=k.doorbell_channel(), admit_queue=admit_queue,
                 events=[*(events.encode(e) for e in f.before), events.encode(f.event)],
+                activity=self.settings.retention_days > 0,
             ),
             f.message.model_dump_json() if f.message else "", f.snapshot or "",
         )
@@ -271,6 +317,25 @@ class Store:
 
     async def refresh_claim(self, turn_id: str) -> None:
         await self.redis.pexpire(self.keys.model_claim(turn_id), int(self.settings.invoke_lease_s * 1000))
+
+    # --- model slots (`model.max_concurrency`, `limiter.py`) ------------------------------------
+
+    async def acquire_slot(self, agent_id: str, token: str, *, limit: int) -> bool:
+        """Take one of the agent's model slots for `token` (a lease of `TL_INVOKE_LEASE_S`), if one
+        is free; holders whose lease ran out are dropped first."""
+        reply = await self._run("slot_acquire", [self.keys.model_limit(agent_id)],
+                                lua.payload(token=token, limit=limit,
+                                            lease_ms=int(self.settings.invoke_lease_s * 1000)))
+        return int(reply[0]) == 1
+
+    async def renew_slot(self, agent_id: str, token: str) -> bool:
+        """Extend a held slot's lease; False when `token` holds none any more."""
+        reply = await self._run("slot_renew", [self.keys.model_limit(agent_id)],
+                                lua.payload(token=token, lease_ms=int(self.settings.invoke_lease_s * 1000)))
+        return int(reply) == 1
+
+    async def release_slot(self, agent_id: str, token: str) -> None:
+        await self._run("slot_release", [self.keys.model_limit(agent_id)], token)
 
     async def artifact(self, turn_id: str, stage: str) -> bytes | None:
         return as_bytes(await self.redis.get(self.keys.artifact(turn_id, stage)))
@@ -364,8 +429,34 @@ class Store:
         return {mid: json.loads(v)["text"] for mid, v in zip(message_ids, values, strict=True) if v is not None}
 
     async def save_summary(self, conversation_id: str, watermark: str, record: Mapping[str, Any]) -> None:
-        await self.redis.hset(self.keys.summaries(conversation_id), watermark,
-                              json.dumps(record, separators=(",", ":"), ensure_ascii=False))
+        """Stored only while the conversation exists: compaction runs after its turn ended, so a
+        delete may come between its read and this write, and must not find the summary written back."""
+        conversation = self.keys.conversation(conversation_id)
+        value = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(3):  # best effort, as compaction is: the next turn's covers the same turns
+                try:
+                    await pipe.watch(conversation)  # a turn ending meanwhile also touches it: try again
+                    if not await pipe.exists(conversation):
+                        return
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hset(self.keys.summaries(conversation_id), watermark, value)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
+
+    async def delete_conversation(self, conversation_id: str, *, tenant_id: str | None = None) -> DeleteResult:
+        """Delete a conversation and its turns' keys, unless a turn of it runs or waits (see
+        delete_conversation.lua); `tenant_id` must be the conversation's, else it is "not_found"."""
+        for _ in range(DELETE_ATTEMPTS):
+            rows = {text(mid): turn_of_row(row)
+                    async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
+            keys, arg = deletion(self.keys, self.graph, conversation_id, tenant_id=tenant_id, rows=rows)
+            result = delete_result(conversation_id, await self._run("delete_conversation", keys, arg))
+            if result is not None:
+                return result
+        return DeleteResult("busy", conversation_id)
 
     async def decision(self, conversation_id: str, message_id: str, stage: str) -> dict[str, Any] | None:
         """The decision record `stage` stored for a turn (`advance.lua`), or None."""

@@ -43,7 +43,7 @@ class TurnStream:
     async def __aexit__(self, *exc: object) -> None:
         assert self._writer is not None and self._ticker is not None
         self._ticker.cancel()
-        self._put(self._events.flush())
+        self._put(self._events.end(self._clock()))
         self._queue.put_nowait(None)
         await asyncio.shield(self._writer)
 

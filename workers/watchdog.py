@@ -7,6 +7,10 @@ for `stall_s`: a turn with a live model claim is running; any other gets its fir
 enqueued again — at most `max_recoveries` times, after which the turn ends `failed` instead of
 being run again forever. Every stage is idempotent, so the duplicate that dramatiq may still
 deliver later, or a message that was only waiting in a long queue, changes nothing.
+
+The same loop enforces retention (`TL_RETENTION_DAYS`): conversations whose last activity (the
+`activity` index, kept by admit.lua and finish.lua) is older are deleted through the delete script,
+a batch at a time; one with a turn running or waiting is skipped until it is idle.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import redis
 import structlog
 
 from threadline.pipeline.contracts import Envelope
+from threadline.pipeline.records import MessageRecord
 
 from .runtime import Runtime
 from .schema import text
 from .store import with_message_id
 
 log = structlog.get_logger(__name__)
+#: Conversations read from the activity index per round trip, and looked at per pass at most.
+EXPIRE_BATCH = 20
+EXPIRE_MAX = 200
 
 
 class Watchdog:
@@ -35,6 +43,9 @@ class Watchdog:
             await asyncio.sleep(self.rt.settings.watchdog_s)
             try:
                 await self.sweep(self.rt.now())
+                if self.rt.settings.retention_days > 0:
+                    await self.backfill_activity()
+                    await self.expire(self.rt.now())
             except redis.RedisError as e:
                 log.warning("watchdog_sweep_failed", error=str(e))
 
@@ -65,3 +76,49 @@ class Watchdog:
             log.warning("stalled_turn_requeued", turn_id=turn_id, stage=stage, stalled_s=rt.settings.stall_s)
             recovered += 1
         return recovered
+
+    async def backfill_activity(self) -> int:
+        """Once per deployment (the first process to get there): conversations stored while retention
+        was off enter the activity index, scored by their newest message (else their creation), so
+        switching retention on also expires the ones idle since before. Returns how many entered."""
+        store = self.rt.store
+        if not await store.redis.set(store.keys.activity_backfill(), "1", nx=True):
+            return 0
+        added = 0
+        head = store.keys.conversation("")[:-1]  # "<prefix>:conv:{"
+        async for raw in store.redis.scan_iter(f"{head}*}}", count=1000):
+            conversation_id = text(raw)[len(head):-1]
+            if "}" in conversation_id or "{" in conversation_id:
+                continue
+            newest = cast(list[bytes], await store.redis.zrange(store.keys.message_order(conversation_id), -1, -1))
+            row = await store.redis.hget(store.keys.messages(conversation_id), newest[0]) if newest else None
+            last = _updated_at(row) or float(text(await store.redis.hget(raw, "created_at") or b"0"))
+            added += cast(int, await store.redis.zadd(store.keys.activity(), {conversation_id: last}, nx=True))
+        log.info("activity_backfilled", conversations=added)
+        return added
+
+    async def expire(self, now: float) -> int:
+        """Delete the conversations idle longer than the retention; returns how many were. Busy ones
+        stay in the index (their score moves when their turn ends); each worker process sweeps, and
+        a conversation another one deleted first is simply not found."""
+        store, days = self.rt.store, self.rt.settings.retention_days
+        cutoff = now - days * 86_400
+        deleted = passed = 0
+        while deleted + passed < EXPIRE_MAX:
+            batch = cast(list[bytes], await store.redis.zrangebyscore(
+                store.keys.activity(), "-inf", cutoff, start=passed, num=EXPIRE_BATCH))
+            if not batch:
+                break
+            for raw in batch:
+                result = await store.delete_conversation(text(raw))
+                if result.status != "deleted":
+                    passed += 1  # left in the index (busy), or gone from it: either way, look further on
+                    continue
+                deleted += 1
+                log.info("conversation_expired", conversation_id=result.conversation_id, messages=result.messages,
+                         turns=result.turns, retention_days=days)
+        return deleted
+
+
+def _updated_at(row: bytes | str | None) -> float | None:
+    return MessageRecord.model_validate_json(row).updated_at if row is not None else None

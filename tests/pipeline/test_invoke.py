@@ -308,4 +308,4 @@ def test_an_anthropic_model_without_its_extra_names_the_extra_to_install() -> No
         pytest.skip("the anthropic extra is installed here")
     with pytest.raises(ThreadlineError, match=r"threadline\[anthropic\]") as caught:
         build_model(spec, env={"ANTHROPIC_API_KEY": "k" * 20})
-    assert caught.value.code == "model_unavailable"
+    assert caught.value.code == "provider_not_installed"

@@ -153,3 +153,35 @@ async def slow_tool(seconds: float = 30.0) -> str:
 async def long_text(chars: int = 1000) -> str:
     """A tool whose result is as long as asked (tests of the stored size limit)."""
     return "".join(str(i % 10) for i in range(chars))
+
+
+def timed(options: dict[str, Any]) -> FunctionModel:
+    """Answers after `ms` milliseconds, recording when each request starts and ends (`record`), so a
+    test in another process sees which model calls were in flight at once."""
+    delay = float(options.get("ms", 300)) / 1000
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        _record(options, {"event": "start"})
+        try:
+            await asyncio.sleep(delay)
+            yield "done"
+        finally:
+            _record(options, {"event": "end"})
+
+    return FunctionModel(stream_function=stream, model_name="test:timed")
+
+
+def says(options: dict[str, Any]) -> FunctionModel:
+    """Says `text`, streamed `chunk` characters at a time, recording each request and the texts of
+    the messages it received (tests of what a guard keeps from the stream and from later history)."""
+    text = str(options.get("text", "Hello."))
+    size = max(1, int(options.get("chunk", 3)))
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        seen = [p.content for m in messages for p in m.parts
+                if isinstance(p, UserPromptPart | TextPart) and isinstance(p.content, str)]
+        _record(options, {"event": "request", "seen": seen})
+        for i in range(0, len(text), size):
+            yield text[i : i + size]
+
+    return FunctionModel(stream_function=stream, model_name="test:says")

@@ -13,14 +13,15 @@ the wire. Streamed (`"stream": true`, server-sent events) and plain requests are
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.support.local_http import LocalServer
 
 SYSTEM_NOT_FIRST = "System message must be at the beginning."
 BLANK_SYSTEM = "System message content must not be empty."
@@ -80,7 +81,7 @@ class Reply:
         return "tool_calls" if self.tool_name else "stop"
 
 
-class StrictChatServer:
+class StrictChatServer(LocalServer):
     """`POST /v1/chat/completions` on 127.0.0.1 and a free port, in a background thread."""
 
     def __init__(
@@ -97,16 +98,11 @@ class StrictChatServer:
         self.exchanges: list[Exchange] = []
         self._lock = threading.Lock()
         self._calls = 0
-        self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
-        self._http.daemon_threads = True
-        # a short poll keeps `stop()` quick: shutdown waits for the serving loop's next poll
-        serve = functools.partial(self._http.serve_forever, poll_interval=0.05)
-        self._thread = threading.Thread(target=serve, name="strict-chat-server", daemon=True)
+        super().__init__(_handler_for(self), name="strict-chat-server")
 
     @property
     def base_url(self) -> str:
-        host, port = self._http.server_address[:2]
-        return f"http://{host!s}:{port}/v1"
+        return f"{self.url}/v1"
 
     @property
     def requests(self) -> list[dict[str, Any]]:
@@ -118,21 +114,6 @@ class StrictChatServer:
         """The agent config `model` section that points at this server."""
         return {"provider": "openai-compatible", "name": self.model, "base_url": self.base_url,
                 "strict_system": strict_system}
-
-    def start(self) -> StrictChatServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> StrictChatServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # --- the scripted model -----------------------------------------------------------------------
 

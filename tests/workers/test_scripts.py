@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
 from tests.support.dump import dump
@@ -31,7 +30,6 @@ from threadline.workers import lua
 from threadline.workers.broker import build_message
 from threadline.workers.client import Client
 from threadline.workers.schema import conversation_to_hash
-from threadline.workers.settings import Settings
 from threadline.workers.store import WAKE_ID, Accept, Begin, Finish, Next, Store
 
 SCRIPTS = Path(lua.__file__).parent / "scripts"
@@ -45,16 +43,6 @@ LAST = STAGES[-1]
 # --- fixtures and a turn driver ---------------------------------------------------------------------
 
 
-@pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[Store]:
-    """A store on a key prefix of its own, every key under it removed afterwards."""
-    prefix = f"tls{uuid.uuid4().hex[:8]}"
-    settings = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url)
-    s = Store(aioredis.Redis.from_url(redis_url), settings, DEFAULT_GRAPH)
-    yield s
-    async for key in s.redis.scan_iter(f"{prefix}:*", count=1000):
-        await s.redis.delete(key)
-    await s.close()
 
 
 def new_id(kind: str = "t") -> str:

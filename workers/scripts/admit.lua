@@ -3,8 +3,9 @@
 -- the conversation is free; otherwise it waits.
 -- KEYS[1] turn   KEYS[2] cancel flag   KEYS[3] running turns   KEYS[4] conversation's line
 -- KEYS[5] conversation's lease   KEYS[6] conversation's waiting requests   KEYS[7] admit queue's
--- messages   KEYS[8] admit queue
--- ARGV[1] JSON {turn_id, conversation_id, now, done (the admit stage's done marker), channel, queue}
+-- messages   KEYS[8] admit queue   KEYS[9] activity index
+-- ARGV[1] JSON {turn_id, conversation_id, now, done (the admit stage's done marker), channel, queue,
+--               activity (keep the activity index: retention is on)}
 -- ARGV[2] the turn's request as a dramatiq message whose id is a placeholder (see finish.lua)
 -- Returns {'admitted', fence} | {'waiting', ahead} | {'terminal', status} | {'done'} | {'cancelled'}
 local turn = KEYS[1]
@@ -23,6 +24,7 @@ redis.call('ZADD', KEYS[4], 'NX', now_us(), a.turn_id)
 redis.call('HSET', KEYS[6], a.turn_id, ARGV[2])
 redis.call('HSET', turn, 'conversation_id', a.conversation_id)
 redis.call('PERSIST', turn)  -- a live turn's record never expires; finish.lua sets its expiry
+if a.activity then redis.call('ZADD', KEYS[9], a.now, a.conversation_id) end
 local holder = redis.call('HGET', KEYS[5], 'turn')
 if holder == a.turn_id then return {'admitted', redis.call('HGET', KEYS[5], 'fence')} end
 local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]

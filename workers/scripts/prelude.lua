@@ -46,3 +46,16 @@ local function wake_next(line, lease, waiting, msgs, list, channel, queue, by)
   end
   return head
 end
+
+-- Slots of a `model.max_concurrency` limit (slot_*.lua): this server's clock in ms (no worker's
+-- clock matters); and a token's lease set to end at `expiry`, the set itself kept a little past its
+-- longest lease (never forever).
+local function slot_now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function slot_hold(holders, token, expiry)
+  redis.call('ZADD', holders, string.format('%.0f', expiry), token)
+  local last = redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIREAT', holders, string.format('%.0f', tonumber(last[2]) + 1000))
+end

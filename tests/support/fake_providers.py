@@ -1,0 +1,358 @@
+"""Test doubles of the hosted model providers' HTTP APIs, one wire format per server.
+
+Each `FakeProvider` speaks one provider's format well enough for pydantic-ai's model class and the
+provider's own SDK to complete a turn, streamed and not: OpenAI chat completions (server-sent
+events), Anthropic Messages (named SSE events), Gemini `generateContent` / `streamGenerateContent`,
+AWS Bedrock `Converse` / `ConverseStream` (the binary event-stream framing), Groq (OpenAI-like under
+`/openai/v1`) and Mistral. It answers a fixed text ("hello from <provider>") with token usage, and
+records every exchange — method, path, headers, JSON body — so a test can assert what went over the
+wire, and which key went with it (pydantic-ai's Anthropic model streams even a request that is not
+streamed; the others ask for a plain answer then). `always_status=429` answers every request with that status, a
+`Retry-After` header and an error body in the provider's format.
+
+    with FakeProvider("anthropic") as server:
+        ...  # point a model at server.base_url; then look at server.exchanges
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+import re
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Literal
+
+from tests.support.local_http import LocalServer
+
+ProviderName = Literal["openai", "anthropic", "google", "bedrock", "groq", "mistral"]
+
+#: The usage every answer reports, in each format's own field names.
+INPUT_TOKENS = 10
+OUTPUT_TOKENS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One request and the status it was answered with; header names are lower-cased."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    status: int
+    #: Whether the request asked for a streamed answer (None: not a route this double serves).
+    streamed: bool | None
+
+    @property
+    def credential(self) -> str | None:
+        """The key the request carried, whichever way its provider sends it: a bearer token, an
+        `x-api-key` / `x-goog-api-key` header, or the access key id of an AWS SigV4 signature."""
+        authorization = self.headers.get("authorization", "")
+        if authorization.startswith("Bearer "):
+            return authorization.removeprefix("Bearer ")
+        if match := _SIGV4_CREDENTIAL.search(authorization):
+            return match.group(1)
+        return self.headers.get("x-api-key") or self.headers.get("x-goog-api-key")
+
+
+_SIGV4_CREDENTIAL = re.compile(r"^AWS4-HMAC-SHA256 Credential=([^/]+)/")
+
+
+def answer_text(provider: ProviderName) -> str:
+    return f"hello from {provider}"
+
+
+class FakeProvider(LocalServer):
+    """One provider's API on 127.0.0.1 and a free port, in a background thread."""
+
+    def __init__(
+        self, provider: ProviderName, *, always_status: int | None = None, retry_after: str = "0",
+        model: str = "fake-model",
+    ) -> None:
+        self.provider = provider
+        self.always_status = always_status
+        self.retry_after = retry_after
+        self.model = model
+        self.text = answer_text(provider)
+        self._exchanges: list[Exchange] = []
+        self._lock = threading.Lock()
+        super().__init__(_handler_for(self), name=f"fake-{provider}")
+
+    @property
+    def base_url(self) -> str:
+        """What a config's `model.base_url` says: the SDKs other than OpenAI's add their own path."""
+        return f"{self.url}/v1" if self.provider == "openai" else self.url
+
+    @property
+    def exchanges(self) -> list[Exchange]:
+        """Every request received, in arrival order."""
+        with self._lock:
+            return list(self._exchanges)
+
+    def record(self, exchange: Exchange) -> None:
+        with self._lock:
+            self._exchanges.append(exchange)
+
+
+# --- which request is which -----------------------------------------------------------------------
+
+Operation = Literal["chat", "anthropic", "gemini", "converse"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    operation: Operation
+    stream: bool
+
+
+_GEMINI = re.compile(r"^/v1(beta|alpha)?/models/[^/:]+:(generateContent|streamGenerateContent)$")
+_CONVERSE = re.compile(r"^/model/[^/]+/(converse|converse-stream)$")
+_CHAT_PATHS: dict[ProviderName, str] = {
+    "openai": "/v1/chat/completions", "groq": "/openai/v1/chat/completions", "mistral": "/v1/chat/completions",
+}
+
+
+def route(provider: ProviderName, path: str, body: dict[str, Any]) -> Route | None:
+    """The operation a request asks for in `provider`'s API, or None: not one this double serves."""
+    path, _, _query = path.partition("?")
+    if provider in _CHAT_PATHS:
+        return Route("chat", bool(body.get("stream"))) if path == _CHAT_PATHS[provider] else None
+    if provider == "anthropic":
+        return Route("anthropic", bool(body.get("stream"))) if path == "/v1/messages" else None
+    if provider == "google":
+        match = _GEMINI.match(path)
+        return Route("gemini", match.group(2) == "streamGenerateContent") if match else None
+    match = _CONVERSE.match(path)
+    return Route("converse", match.group(1) == "converse-stream") if match else None
+
+
+# --- the HTTP handler -----------------------------------------------------------------------------
+
+
+def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            # every method is recorded (a test asserting that nothing was sent must see a stray GET
+            # too); only POST routes are served
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            try:
+                body = json.loads(raw or b"{}")
+            except json.JSONDecodeError:
+                body = {"_raw": raw.decode(errors="replace")}
+            found = route(server.provider, self.path, body) if self.command == "POST" else None
+            status = server.always_status or (HTTPStatus.OK if found else HTTPStatus.NOT_FOUND)
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            streamed = found.stream if found else None
+            server.record(Exchange(self.command, self.path, headers, body, int(status), streamed))
+            if status != HTTPStatus.OK or found is None:
+                self._error(int(status))
+            elif found.stream:
+                self._stream(found.operation)
+            else:
+                self._json(HTTPStatus.OK, _complete(found.operation, server))
+
+        do_GET = do_PUT = do_DELETE = do_POST
+
+        def _error(self, status: int) -> None:
+            extra = {"Retry-After": server.retry_after} if status == 429 else {}
+            if server.provider == "bedrock":
+                # botocore reads the error code from this header on REST-JSON services
+                extra["x-amzn-ErrorType"] = _BEDROCK_ERRORS.get(status, "ValidationException")
+            self._json(status, _error_body(server.provider, status, f"fake {server.provider}: HTTP {status}"),
+                       extra)
+
+        def _json(self, status: int, payload: dict[str, Any], extra: dict[str, str] | None = None) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (extra or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _stream(self, operation: Operation) -> None:
+            # No Content-Length: the stream ends when the connection closes.
+            binary = operation == "converse"
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "application/vnd.amazon.eventstream" if binary else "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for frame in _stream_frames(operation, server):
+                self.wfile.write(frame)
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # pytest output stays readable; `server.exchanges` is the log
+
+    return Handler
+
+
+def _complete(operation: Operation, server: FakeProvider) -> dict[str, Any]:
+    if operation == "chat":
+        return _chat_completion(server)
+    if operation == "anthropic":
+        return _anthropic_message(server)
+    if operation == "gemini":
+        return _gemini_chunk(server, server.text, finish=True)
+    return _converse(server)
+
+
+def _stream_frames(operation: Operation, server: FakeProvider) -> Iterator[bytes]:
+    if operation == "chat":
+        for chunk in _chat_chunks(server):
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    elif operation == "anthropic":
+        for event in _anthropic_events(server):
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+    elif operation == "gemini":
+        pieces = _words(server.text)
+        for i, piece in enumerate(pieces):
+            yield f"data: {json.dumps(_gemini_chunk(server, piece, finish=i == len(pieces) - 1))}\r\n\r\n".encode()
+    else:
+        for event_type, payload in _converse_events(server):
+            yield event_message(event_type, payload)
+
+
+def _words(text: str) -> list[str]:
+    """`text` in word-sized pieces, as a real server streams it."""
+    words = text.split(" ")
+    return [w if i == len(words) - 1 else w + " " for i, w in enumerate(words)]
+
+
+# --- error bodies ---------------------------------------------------------------------------------
+
+_BEDROCK_ERRORS = {400: "ValidationException", 403: "AccessDeniedException", 429: "ThrottlingException",
+                   500: "InternalServerException", 503: "ServiceUnavailableException"}
+_GOOGLE_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                  429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+
+
+def _error_body(provider: ProviderName, status: int, message: str) -> dict[str, Any]:
+    if provider == "anthropic":
+        kind = "rate_limit_error" if status == 429 else "api_error"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if provider == "google":
+        return {"error": {"code": status, "message": message, "status": _GOOGLE_STATUS.get(status, "UNKNOWN")}}
+    if provider == "bedrock":
+        return {"message": message}
+    if provider == "mistral":
+        return {"object": "error", "message": message, "type": "rate_limited" if status == 429 else "error",
+                "param": None, "code": str(status)}
+    kind = "rate_limit_exceeded" if status == 429 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+
+
+# --- OpenAI chat completions (OpenAI, Groq, Mistral) -----------------------------------------------
+
+_CHAT_USAGE = {"prompt_tokens": INPUT_TOKENS, "completion_tokens": OUTPUT_TOKENS,
+               "total_tokens": INPUT_TOKENS + OUTPUT_TOKENS}
+
+
+def _chat_completion(server: FakeProvider) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", "content": server.text}, "finish_reason": "stop"}
+    return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": server.model,
+            "choices": [choice], "usage": _CHAT_USAGE}
+
+
+def _chat_chunks(server: FakeProvider) -> Iterator[dict[str, Any]]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": server.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    for word in _words(server.text):
+        yield chunk({"content": word})
+    last = chunk({}, "stop")
+    if server.provider == "groq":
+        last["x_groq"] = {"id": "req-fake", "usage": _CHAT_USAGE}  # where Groq reports a stream's usage
+    else:
+        last["usage"] = _CHAT_USAGE
+    yield last
+
+
+# --- Anthropic Messages ---------------------------------------------------------------------------
+
+
+def _anthropic_message(server: FakeProvider) -> dict[str, Any]:
+    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": server.model,
+            "content": [{"type": "text", "text": server.text}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS}}
+
+
+def _anthropic_events(server: FakeProvider) -> Iterator[dict[str, Any]]:
+    start = {**_anthropic_message(server), "content": [], "stop_reason": None,
+             "usage": {"input_tokens": INPUT_TOKENS, "output_tokens": 1}}
+    yield {"type": "message_start", "message": start}
+    yield {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    for word in _words(server.text):
+        yield {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}
+    yield {"type": "content_block_stop", "index": 0}
+    yield {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+           "usage": {"output_tokens": OUTPUT_TOKENS}}
+    yield {"type": "message_stop"}
+
+
+# --- Gemini generateContent -----------------------------------------------------------------------
+
+
+def _gemini_chunk(server: FakeProvider, text: str, *, finish: bool) -> dict[str, Any]:
+    candidate: dict[str, Any] = {"content": {"role": "model", "parts": [{"text": text}]}, "index": 0}
+    if finish:
+        candidate["finishReason"] = "STOP"
+    return {"candidates": [candidate], "modelVersion": server.model, "responseId": "fake-response",
+            "usageMetadata": {"promptTokenCount": INPUT_TOKENS, "candidatesTokenCount": OUTPUT_TOKENS,
+                              "totalTokenCount": INPUT_TOKENS + OUTPUT_TOKENS}}
+
+
+# --- Bedrock Converse -----------------------------------------------------------------------------
+
+_CONVERSE_USAGE = {"inputTokens": INPUT_TOKENS, "outputTokens": OUTPUT_TOKENS,
+                   "totalTokens": INPUT_TOKENS + OUTPUT_TOKENS}
+
+
+def _converse(server: FakeProvider) -> dict[str, Any]:
+    return {"output": {"message": {"role": "assistant", "content": [{"text": server.text}]}},
+            "stopReason": "end_turn", "usage": _CONVERSE_USAGE, "metrics": {"latencyMs": 1}}
+
+
+def _converse_events(server: FakeProvider) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield "messageStart", {"role": "assistant"}
+    for word in _words(server.text):
+        yield "contentBlockDelta", {"contentBlockIndex": 0, "delta": {"text": word}}
+    yield "contentBlockStop", {"contentBlockIndex": 0}
+    yield "messageStop", {"stopReason": "end_turn"}
+    yield "metadata", {"usage": _CONVERSE_USAGE, "metrics": {"latencyMs": 1}}
+
+
+def event_message(event_type: str, payload: dict[str, Any]) -> bytes:
+    """One message of the AWS event-stream framing: a prelude (total length, headers length, CRC32 of
+    the two), the headers (string-valued here), the JSON payload, and a CRC32 of everything before it."""
+    headers = b"".join(_string_header(name, value) for name, value in (
+        (":event-type", event_type), (":content-type", "application/json"), (":message-type", "event")))
+    data = json.dumps(payload).encode()
+    total = 4 + 4 + 4 + len(headers) + len(data) + 4
+    prelude = struct.pack(">II", total, len(headers))
+    prelude += struct.pack(">I", binascii.crc32(prelude))
+    message = prelude + headers + data
+    return message + struct.pack(">I", binascii.crc32(message))
+
+
+_STRING_HEADER = 7  # the event-stream header value type for a UTF-8 string
+
+
+def _string_header(name: str, value: str) -> bytes:
+    encoded_name, encoded_value = name.encode(), value.encode()
+    return (struct.pack(">B", len(encoded_name)) + encoded_name + struct.pack(">BH", _STRING_HEADER, len(encoded_value))
+            + encoded_value)

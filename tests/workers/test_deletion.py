@@ -1,0 +1,151 @@
+"""Deleting a conversation through real workers: every key of it goes (rows, snapshots, summaries,
+token counts, decision records, its turns' records and events) and every other key stays
+byte-identical (`DUMP`); a busy conversation is refused; another tenant's is not found; retention
+deletes the idle ones from the workers' periodic loop."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from tests.conftest import AgentFactory, WorkerPool, turn
+from tests.support.wait import wait_until
+from threadline.pipeline import events as ev
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers import cli
+from threadline.workers.client import Client
+from threadline.workers.store import DeleteResult
+
+pytestmark = pytest.mark.integration
+
+#: dramatiq's own bookkeeping (heartbeats, ack sets) changes on its own; it holds no conversation.
+DumpAll = dict[str, tuple[bytes | None, bool]]
+
+
+def dump_all(r: redis.Redis, prefix: str) -> DumpAll:
+    """Every key under `prefix` (but the broker's queues) as `DUMP` serialises it, and whether it expires."""
+    out: DumpAll = {}
+    for raw in r.scan_iter(f"{prefix}:*", count=1000):
+        key = raw.decode()
+        if not key.startswith(f"{prefix}:q:"):
+            out[key] = (r.dump(key), r.pttl(key) >= 0)
+    return out
+
+
+def run(client: Client, agent: str, queries: list[str], **fields: Any) -> tuple[str, list[str]]:
+    """A conversation of one turn per query, each waited for; (its id, its turn ids)."""
+    cid: str | None = fields.pop("conversation_id", None)
+    ids = []
+    for query in queries:
+        terminal = client.wait(client.submit(turn(agent, query, conversation_id=cid, **fields)), timeout_s=30)
+        assert isinstance(terminal, ev.Succeeded), terminal
+        cid = terminal.conversation_id
+        ids.append(terminal.turn_id)
+    assert cid is not None
+    return cid, ids
+
+
+def compaction_settled(client: Client) -> bool:
+    """No compaction message waits or runs (dramatiq deletes a message's body when it is acked)."""
+    return all(client.redis.hlen(client.keys.queue_messages(s.queue)) == 0
+               for s in DEFAULT_GRAPH.of_kind("compaction"))
+
+
+def delete_cli(client: Client, monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
+    monkeypatch.setenv("REDIS_URL", client.url)
+    monkeypatch.setenv("TL_PREFIX", client.keys.prefix)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["conversations", "delete", *args])
+    return int(exited.value.code or 0)
+
+
+def test_delete_removes_every_key_of_the_conversation_and_leaves_every_other_key_byte_identical(
+        workers: WorkerPool, client: Client, make_agent: AgentFactory, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    chat = make_agent({"provider": "offline", "name": "chat", "context_window": 600, "max_output_tokens": 80},
+                      memory={"safety_margin_tokens": 40, "compaction": {"summariser": "offline:summary"}})
+    a, a_turns = run(client, chat, [f"Question {n}: tell me something new, with more words to fill the window."
+                                    for n in range(1, 7)])
+    _, branch = run(client, chat, ["A branch from the first answer."], conversation_id=a, parent_message_id=a_turns[0])
+    a_turns += branch
+    tools = make_agent({"provider": "python", "name": "tests.support.models:tool_then_answer",
+                        "options": {"tool": "clock", "only_when_asked": True}}, tools=["clock"])
+    b, b_turns = run(client, tools, ["hello", "please use the tool", "thanks"])
+    wait_until(lambda: compaction_settled(client) and client.redis.exists(client.keys.summaries(a)))
+    k, r = client.keys, client.redis
+    assert r.hlen(k.summaries(a)) and r.hlen(k.token_counts(a)) and r.hlen(k.decisions(a)) and r.hlen(k.snapshots(a))
+    before = dump_all(r, k.prefix)
+    mine = {key for key in before if any(name in key for name in (a, *a_turns))}
+    assert {k.turn(t) for t in a_turns} | {k.events(t) for t in a_turns} <= mine
+
+    assert delete_cli(client, monkeypatch, a, "--tenant", "t1") == 0
+    assert capsys.readouterr().out.strip() == f"deleted conversation {a}: 7 messages, 7 turns"
+
+    after = dump_all(r, k.prefix)
+    assert [key for key in after if any(name in key for name in (a, *a_turns))] == []
+    assert after == {key: value for key, value in before.items() if key not in mine}
+    assert k.usage("t1") in after  # usage counters are billing history: kept
+    assert client.thread(a) == [] and list(client.events(a_turns[-1])) == []
+    # the other conversation goes on; the deleted one is not found, by a turn or by a second delete
+    assert len(run(client, tools, ["and the tool again"], conversation_id=b)[1]) == 1
+    gone = client.wait(client.submit(turn(chat, "anyone there?", conversation_id=a)), timeout_s=30)
+    assert isinstance(gone, ev.Failed) and gone.code == "conversation_not_found"
+    assert client.delete_conversation(a) == DeleteResult("not_found", a)
+    other = client.conversation(b)
+    assert other is not None and other.revision == len(b_turns) + 1
+
+
+def test_busy_another_tenants_and_bad_ids_change_nothing(workers: WorkerPool, client: Client,
+                                                         make_agent: AgentFactory,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    slow = make_agent({"provider": "offline", "name": "chat", "options": {"delay_ms": 50}})
+    cid, _ = run(client, slow, ["first"])
+    k = client.keys
+    assert delete_cli(client, monkeypatch, cid, "--tenant", "someone-else") == 3
+    assert delete_cli(client, monkeypatch, "not an id") == 2
+    assert delete_cli(client, monkeypatch, "c-no-such-conversation") == 3
+    running = client.submit(turn(slow, "a long answer, " * 20, conversation_id=cid))
+    wait_until(lambda: client.turn_state(running).message_id)  # accepted: its row is written
+    rows, conversation = client.redis.hgetall(k.messages(cid)), client.redis.hgetall(k.conversation(cid))
+    assert delete_cli(client, monkeypatch, cid) == cli.EXIT_BUSY
+    assert f"turn {running} runs or waits" in capsys.readouterr().err
+    # refused: the conversation as it was (the turn is still streaming its answer)
+    assert client.turn_state(running).status == "running"
+    assert (client.redis.hgetall(k.messages(cid)), client.redis.hgetall(k.conversation(cid))) == (rows, conversation)
+    # --cancel: its turns are cancelled, then it is deleted once idle
+    assert delete_cli(client, monkeypatch, cid, "--cancel", "--timeout", "20") == 0
+    assert not client.redis.exists(*k.conversation_keys(cid))
+    assert not client.redis.exists(k.turn(running), k.events(running))
+
+
+def test_retention_deletes_idle_conversations_and_keeps_fresh_ones(isolated: Any, redis_url: str) -> None:
+    pool: WorkerPool = isolated(env={"TL_RETENTION_DAYS": "0.00002", "TL_WATCHDOG_S": "0.5"})
+    client = Client(redis_url, prefix=pool.prefix)
+    agent = f"agent-{uuid.uuid4().hex[:8]}"
+    client.put_agent(AgentConfig.model_validate({"id": agent, "model": "offline:echo"}))
+    # stored while retention was off (no index entry): the first pass puts it in the index
+    legacy = f"c-legacy-{uuid.uuid4().hex[:8]}"
+    client.import_conversation(conversation_id=legacy, tenant_id="t1", app_id="app", user_id="u1", agent_id=agent,
+                               turns=[("q", "a", None)])
+    client.redis.zrem(client.keys.activity(), legacy)
+    pool.start()
+    old, _ = run(client, agent, ["an old question"])
+    imported = f"c-imported-{uuid.uuid4().hex[:8]}"
+    client.import_conversation(conversation_id=imported, tenant_id="t1", app_id="app", user_id="u1", agent_id=agent,
+                               turns=[("q", "a", None)])
+    assert client.redis.zscore(client.keys.activity(), old) is not None
+    time.sleep(1.0)  # retention is about time: the fresh conversation is this much younger
+    fresh, _ = run(client, agent, ["a fresh question"])
+    # retention ≈ 1.7 s, swept every 0.5 s: the old ones go within ~2.3 s, the fresh one is younger
+    wait_until(lambda: all(client.conversation(c) is None for c in (old, imported, legacy)), timeout_s=5)
+    assert client.conversation(fresh) is not None
+    assert client.redis.zscore(client.keys.activity(), old) is None
+    assert not client.redis.exists(*client.keys.conversation_keys(old))
+    assert "conversation_expired" in pool.log_tail(200) and "activity_backfilled" in pool.log_tail(200)
+    client.close()
