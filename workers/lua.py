@@ -22,10 +22,10 @@ from typing import Any, Literal
 ScriptName = Literal[
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
     "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
-    "delete_conversation",
+    "delete_conversation", "dead_letter_replay", "dead_letter_purge",
 ]
-#: The scripts of the turn state machine (the broker's `dead_letter` and the agent registry's
-#: `agent_*` are registered by their consumers).
+#: The scripts of the turn state machine (the broker's `dead_letter`, the agent registry's `agent_*`
+#: and the operations' `dead_letter_*` are registered by their consumers).
 SCRIPT_NAMES: tuple[ScriptName, ...] = (
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release",
     "slot_acquire", "slot_renew", "slot_release", "delete_conversation",

@@ -51,13 +51,13 @@ from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
 from threadline.pipeline.stages import Stage, StageInput
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
 
-from .broker import build_message
 from .control import CANCEL_ACTOR, CONTROL_QUEUE
 from .limiter import limited_model, turn_limiter
 from .loaders import LOADERS
 from .runtime import Runtime
 from .store import WAKE_ID, Accept, Begin, Finish, Next
 from .stream import TurnStream
+from .wire import build_message
 
 log = structlog.get_logger(__name__)
 

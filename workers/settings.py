@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -12,14 +13,33 @@ from typing import Literal
 from threadline.pipeline.policy import CONVENTIONAL_KEY_NAMES, ModelPolicy
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    """An integer variable; a value that is not one, or is below `minimum`, is a `ValueError`
+    naming the variable (the CLI turns it into one line and exit 2)."""
     value = env.get(name)
-    return int(value) if value not in (None, "") else default
+    if value is None or value.strip() == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}")
+    return number
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, *, positive: bool = True) -> float:
+    """A number variable (seconds, days); `positive` refuses zero and below."""
     value = env.get(name)
-    return float(value) if value not in (None, "") else default
+    if value is None or value.strip() == "":
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or (positive and number <= 0):
+        raise ValueError(f"{name} must be a {'positive ' if positive else ''}number, not {value!r}")
+    return number
 
 
 def _names(env: Mapping[str, str], name: str) -> tuple[str, ...] | None:
@@ -35,6 +55,42 @@ def model_policy(env: Mapping[str, str] | None = None) -> ModelPolicy:
     keys = _names(env, "TL_KEY_ENV_ALLOW")
     return ModelPolicy(key_env_allow=CONVENTIONAL_KEY_NAMES if keys is None else frozenset(keys),
                        base_url_allow=_names(env, "TL_BASE_URL_ALLOW") or ())
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+#: Every variable Threadline reads, with a one-line meaning: `threadline --help` lists them (the README's
+#: settings table says more).
+ENVIRONMENT: tuple[tuple[str, str], ...] = (
+    ("REDIS_URL", "the Redis/Valkey server (unset: the embedded server `threadline worker` starts)"),
+    ("TL_DATA_DIR", "where the embedded server keeps its data (default .threadline)"),
+    ("TL_PREFIX", "prefix of every key and channel (default tl)"),
+    ("TL_AUTHOR", "the author agent changes record (default: the OS user name)"),
+    ("TL_LOG_FORMAT", "json or console (default: console on a terminal)"),
+    ("TL_LOG_LEVEL", "DEBUG, INFO (default), WARNING, ERROR or CRITICAL; DEBUG logs message content"),
+    ("TL_PROCESSES", "worker processes (default 2)"),
+    ("TL_THREADS", "threads per worker process (default 8)"),
+    ("TL_INVOKE_PREFETCH", "model calls one process runs at once (default threads / 2)"),
+    ("TL_MAX_QUERY_CHARS", "longest query (default 32000)"),
+    ("TL_MAX_CONTEXT_CHARS", "longest context (default 200000)"),
+    ("TL_MAX_TEXT_CHARS", "answers and tool texts are stored cut at this length (default 100000)"),
+    ("TL_IDLE_POLL_MS", "an idle consumer's poll interval (default 2000)"),
+    ("TL_DELAY_POLL_MS", "the delay queues' poll interval (default 5000)"),
+    ("TL_ARTIFACT_TTL_S", "lifetime of a turn's artifacts, a safety net (default 86400)"),
+    ("TL_TURN_TTL_S", "how long an ended turn's record and events stay (default 21600)"),
+    ("TL_CANCEL_TTL_S", "lifetime of a cancel flag (default 86400)"),
+    ("TL_DEBOUNCE_MS", "text deltas are batched this long (default 75)"),
+    ("TL_INVOKE_LEASE_S", "the model claim's lifetime (default 30)"),
+    ("TL_STALL_S", "a turn without progress this long runs again (default 60)"),
+    ("TL_WATCHDOG_S", "how often the watchdog looks (default 10)"),
+    ("TL_RETENTION_DAYS", "delete conversations idle longer than this (default 0: keep)"),
+    ("TL_MAX_RECOVERIES", "times a stalled turn runs again before it fails (default 3)"),
+    ("TL_MAX_INVOKE_ATTEMPTS", "attempts of a model call that fails transiently (default 3)"),
+    ("TL_MAX_RETRIES", "dramatiq retries before a message is dead-lettered (default 5)"),
+    ("TL_ALLOW_PYTHON_PLUGINS", "1: allow python:module:function models and tools"),
+    ("TL_KEY_ENV_ALLOW", "comma-separated: the variables workers may read model keys from"),
+    ("TL_BASE_URL_ALLOW", "comma-separated URL prefixes a conventional key may be sent to"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,30 +153,33 @@ class Settings:
         log_format = env.get("TL_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
         if log_format not in ("json", "console"):
             raise ValueError(f"TL_LOG_FORMAT must be json or console, not {log_format!r}")
+        log_level = (env.get("TL_LOG_LEVEL") or "INFO").upper()
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"TL_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not {env.get('TL_LOG_LEVEL')!r}")
         return cls(
             redis_url=env.get("REDIS_URL") or None,
             data_dir=Path(env.get("TL_DATA_DIR") or ".threadline").resolve(),
             prefix=env.get("TL_PREFIX") or "tl",
             log_format=log_format,  # type: ignore[arg-type]
-            log_level=(env.get("TL_LOG_LEVEL") or "INFO").upper(),
-            processes=_int(env, "TL_PROCESSES", 2),
-            threads=_int(env, "TL_THREADS", 8),
+            log_level=log_level,
+            processes=_int(env, "TL_PROCESSES", 2, minimum=1),
+            threads=_int(env, "TL_THREADS", 8, minimum=1),
             invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 0) or None,
-            max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000),
-            max_context_chars=_int(env, "TL_MAX_CONTEXT_CHARS", 200_000),
-            max_text_chars=_int(env, "TL_MAX_TEXT_CHARS", 100_000),
-            idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000),
-            delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000),
-            artifact_ttl_s=_int(env, "TL_ARTIFACT_TTL_S", 86_400),
-            turn_ttl_s=_int(env, "TL_TURN_TTL_S", 6 * 3_600),
-            cancel_ttl_s=_int(env, "TL_CANCEL_TTL_S", 86_400),
+            max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000, minimum=1),
+            max_context_chars=_int(env, "TL_MAX_CONTEXT_CHARS", 200_000, minimum=1),
+            max_text_chars=_int(env, "TL_MAX_TEXT_CHARS", 100_000, minimum=1),
+            idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000, minimum=1),
+            delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000, minimum=1),
+            artifact_ttl_s=_int(env, "TL_ARTIFACT_TTL_S", 86_400, minimum=1),
+            turn_ttl_s=_int(env, "TL_TURN_TTL_S", 6 * 3_600, minimum=1),
+            cancel_ttl_s=_int(env, "TL_CANCEL_TTL_S", 86_400, minimum=1),
             debounce_ms=_int(env, "TL_DEBOUNCE_MS", 75),
             invoke_lease_s=_float(env, "TL_INVOKE_LEASE_S", 30.0),
             stall_s=_float(env, "TL_STALL_S", 60.0),
             watchdog_s=_float(env, "TL_WATCHDOG_S", 10.0),
-            retention_days=max(0.0, _float(env, "TL_RETENTION_DAYS", 0.0)),
+            retention_days=max(0.0, _float(env, "TL_RETENTION_DAYS", 0.0, positive=False)),
             max_recoveries=_int(env, "TL_MAX_RECOVERIES", 3),
-            max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3),
+            max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3, minimum=1),
             max_retries=_int(env, "TL_MAX_RETRIES", 5),
             allow_python_models=env.get("TL_ALLOW_PYTHON_PLUGINS", "") in ("1", "true", "yes"),
             secrets=dict(env),

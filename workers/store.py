@@ -20,10 +20,10 @@ from threadline.pipeline.resolve import ConfigRef
 from threadline.pipeline.stages import StageGraph
 
 from . import lua
-from .broker import build_message
 from .keys import Keys
 from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
 from .settings import Settings
+from .wire import build_message
 
 BeginStatus = Literal["go", "unknown", "done", "terminal", "cancelled", "timed_out", "duplicate"]
 Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled"]

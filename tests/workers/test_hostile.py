@@ -37,7 +37,7 @@ from typing import Any, Literal
 import pytest
 import redis
 
-from tests.conftest import WorkerPool
+from tests.conftest import WorkerPool, drop_prefix
 from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -281,8 +281,7 @@ def hostile(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         pool.stop()
         client.close()
-        for key in r.scan_iter(f"{prefix}:*", count=1000):
-            r.delete(key)
+        drop_prefix(r, prefix)
         r.close()
 
 

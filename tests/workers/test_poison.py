@@ -10,18 +10,14 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis
 from dramatiq.message import Message
 
-from tests.conftest import WorkerPool, turn
+from tests.conftest import OwnPool, own_pool, turn
 from tests.support.wait import poll
-from threadline.pipeline.config import AgentConfig
 from threadline.workers.broker import _parse_message
-from threadline.workers.client import Client
 
 pytestmark = pytest.mark.integration
 
@@ -30,36 +26,12 @@ SENTINEL = "POISON-USER-TEXT-5c1e"
 NORMAL_TURNS = 5
 
 
-@dataclass
-class Env:
-    pool: WorkerPool
-    client: Client
-    redis: redis.Redis
-    agent: str
-
-    @property
-    def ns(self) -> str:
-        return f"{self.pool.prefix}:q"
-
-
 @pytest.fixture(scope="module")
-def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnPool]:
     """One worker process on a prefix of its own for the whole module (what `isolated` gives one
     test). Four threads: the resolve consumer prefetches 8, so a case's six messages are one fetch."""
-    prefix = f"tli{uuid.uuid4().hex[:8]}"
-    pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs")).start(processes=1, threads=4)
-    client = Client(redis_url, prefix=prefix)
-    agent = f"agent-{uuid.uuid4().hex[:10]}"
-    client.put_agent(AgentConfig.model_validate({"id": agent, "model": "offline:echo"}))
-    r = redis.Redis.from_url(redis_url)
-    try:
-        yield Env(pool, client, r, agent)
-    finally:
-        pool.stop()
-        client.close()
-        for key in r.scan_iter(f"{prefix}:*", count=1000):
-            r.delete(key)
-        r.close()
+    with own_pool(redis_url, tmp_path_factory.mktemp("logs"), tag="tli") as env:
+        yield env
 
 
 def message(mid: str, actor: str = "resolve", **fields: Any) -> dict[str, Any]:
@@ -121,7 +93,7 @@ CASES: dict[str, tuple[Case, str]] = {
 }
 
 
-def send_with_normal_turns(env: Env, bad_id: str, body: bytes | None) -> list[str]:
+def send_with_normal_turns(env: OwnPool, bad_id: str, body: bytes | None) -> list[str]:
     """The bad message first, then five normal turns, in one MULTI; then the doorbell."""
     ns, r = env.ns, env.redis
     pipe = r.pipeline(transaction=True)
@@ -140,13 +112,13 @@ def send_with_normal_turns(env: Env, bad_id: str, body: bytes | None) -> list[st
     return turn_ids
 
 
-def dead_letters(env: Env, redis_id: str) -> list[dict[str, str]]:
+def dead_letters(env: OwnPool, redis_id: str) -> list[dict[str, str]]:
     entries = env.redis.xrange(f"{env.pool.prefix}:deadletters")
     rows = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
     return [row for row in rows if row["message_id"] == redis_id]
 
 
-def leftovers(env: Env, redis_id: str) -> list[str]:
+def leftovers(env: OwnPool, redis_id: str) -> list[str]:
     """Where anything of `redis_id` (or of any resolve message) is still held."""
     ns, r = env.ns, env.redis
     found = []
@@ -161,7 +133,7 @@ def leftovers(env: Env, redis_id: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_poison_message_is_dead_lettered_and_its_batch_finishes(env: Env, case: str) -> None:
+def test_poison_message_is_dead_lettered_and_its_batch_finishes(env: OwnPool, case: str) -> None:
     build, reason = CASES[case]
     bad_id = f"bad-{case}-{uuid.uuid4().hex[:8]}"
     body = build(bad_id, env.agent)

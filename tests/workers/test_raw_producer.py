@@ -9,10 +9,12 @@ import shutil
 import subprocess
 
 import pytest
+from dramatiq.message import Message
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool
 from threadline.pipeline import events as ev
 from threadline.workers.client import Client
+from threadline.workers.wire import build_message
 
 pytestmark = pytest.mark.integration
 
@@ -37,3 +39,18 @@ def test_readme_redis_cli_commands_enqueue_a_turn_that_succeeds(
     terminal = client.wait(turn_id, timeout_s=30)
     assert isinstance(terminal, ev.Succeeded), terminal
     assert '"Where is my order?"' in terminal.answer
+
+
+@pytest.mark.parametrize("delay_ms", [None, 250])
+def test_the_producers_message_is_the_one_dramatiq_writes(delay_ms: int | None) -> None:
+    """`workers/wire.py` builds messages without importing dramatiq (fast producer commands): the
+    bytes must be exactly what dramatiq's broker would store."""
+    queue, mid, data = build_message("resolve", "resolve", ({"query": "héllo", "n": [1, 2]},), message_id="m-1",
+                                     now_ms=1_700_000_000_000, delay_ms=delay_ms)
+    options: dict[str, object] = {"redis_message_id": "m-1"}
+    if delay_ms:
+        options["eta"] = 1_700_000_000_000 + delay_ms
+    expected = Message(queue_name=queue, actor_name="resolve", args=({"query": "héllo", "n": [1, 2]},), kwargs={},
+                       options=options, message_id="m-1", message_timestamp=1_700_000_000_000)
+    assert (queue, mid) == ("resolve.DQ" if delay_ms else "resolve", "m-1")
+    assert data == expected.encode()

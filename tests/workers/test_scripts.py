@@ -27,10 +27,10 @@ from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.resolve import resolve_turn
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers import lua
-from threadline.workers.broker import build_message
 from threadline.workers.client import Client
 from threadline.workers.schema import conversation_to_hash
 from threadline.workers.store import WAKE_ID, Accept, Begin, Finish, Next, Store
+from threadline.workers.wire import build_message
 
 SCRIPTS = Path(lua.__file__).parent / "scripts"
 AGENT = AgentConfig.model_validate({"id": "agent-1", "model": "offline:echo"})

@@ -1,0 +1,103 @@
+"""Start to exit of the producer commands: `threadline submit` (without `--follow`), `threadline cancel`
+and `threadline --version`, each run `--runs` times as a real subprocess (the installed `threadline`
+entry point) against a fresh server, with `python -c pass` as this machine's floor in the same run.
+The commands take turns, so the machine's noise falls on each alike. Target: submit and cancel
+p50 and p95 <= 300 ms.
+
+No worker runs: a submitted turn waits in the queue, and `cancel` finds it there (the slower of its
+two look-ups; a turn a worker took has a record, found with one EXISTS).
+
+    .venv/bin/python -m bench.cli --runs 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from threadline.workers.client import Client
+
+from .procs import Processes, Server, bench_session, progress, python_env
+from .stats import percentile
+
+TARGET_MS = 300.0
+#: The commands the target applies to.
+TARGETED = ("submit", "cancel")
+
+
+def timed(command: Sequence[str], env: dict[str, str]) -> float:
+    """Milliseconds from spawning `command` to its exit; a failure stops the benchmark."""
+    t0 = time.perf_counter()
+    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    elapsed = (time.perf_counter() - t0) * 1000
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr.strip()}")
+    return elapsed
+
+
+def measure(url: str, runs: int) -> dict[str, list[float]]:
+    threadline = str(Path(sys.executable).with_name("threadline"))
+    prefix = f"tlcli{uuid.uuid4().hex[:6]}"
+    env = python_env({"REDIS_URL": url, "TL_PREFIX": prefix, "TL_LOG_FORMAT": "json"})
+    client = Client(url, prefix=prefix)
+    # turns for `cancel` to find, submitted by the Python client so only the cancels are timed
+    turns = [client.submit({"tenant_id": "bench", "app_id": "bench", "user_id": "bench", "agent_id": "a",
+                            "query": "hi"}) for _ in range(runs + 1)]
+    client.close()
+    commands: dict[str, list[str]] = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "threadline --version": [threadline, "--version"],
+        "submit": [threadline, "submit", "--agent", "a", "--query", "hi"],
+        "cancel": [threadline, "cancel"],
+    }
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for i in range(runs + 1):  # the first round warms the disk cache and is not counted
+        for name, command in commands.items():
+            ms = timed([*command, turns[i]] if name == "cancel" else command, env)
+            if i:
+                times[name].append(ms)
+        if i and i % 10 == 0:
+            progress(f"{i}/{runs} rounds")
+    return times
+
+
+def render(times: dict[str, list[float]], runs: int, version: str, command: str) -> list[str]:
+    lines = [f"command: `{command}`", f"server: {version} (fresh); {runs} runs of each, taking turns", "",
+             "| command | p50 ms | p95 ms | max ms | target | verdict |", "|---|---|---|---|---|---|"]
+    for name, values in times.items():
+        p50, p95 = percentile(values, 50), percentile(values, 95)
+        target, verdict = "", ""
+        if name in TARGETED:
+            target = f"p50, p95 <= {TARGET_MS:.0f}"
+            verdict = "PASS" if p95 <= TARGET_MS else "FAIL"
+        label = name if name.startswith(("python", "threadline")) else f"threadline {name}"
+        lines.append(f"| `{label}` | {p50:.0f} | {p95:.0f} | {max(values):.0f} | {target} | {verdict} |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=40, help="runs of each command (default 40)")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    opts = parser.parse_args(argv)
+    with bench_session("bench.cli", argv, keep=opts.keep) as (command, workdir):
+        processes = Processes(workdir / "logs")
+        server = Server(processes, workdir / "server")
+        try:
+            url = server.start()
+            progress(f"{server.version} at {url}; {opts.runs} runs of each command")
+            times = measure(url, opts.runs)
+        finally:
+            processes.stop_all()
+            server.stop()
+        print("\n".join(render(times, opts.runs, server.version, command)))
+
+
+if __name__ == "__main__":
+    main()

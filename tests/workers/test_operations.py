@@ -1,0 +1,188 @@
+"""`threadline status`, `dead-letters list|show|replay|purge` and `usage`, run in-process through
+`cli.main` against one real worker process on a prefix of its own (a purge must not touch the
+shared pool's dead letters). The pool serves every queue but `compact`, so that a message waits
+there for `status` to see."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import OwnPool, own_pool, turn
+from tests.support.wait import poll
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers import cli
+from threadline.workers.actors import queues
+
+pytestmark = pytest.mark.integration
+
+UNSERVED = "compact"
+#: A credential inside a dead letter's arguments: `show` must not print it.
+SECRET = "sk-proj-abcdefghijklmnopqrstuvwxyz0123"
+
+
+@pytest.fixture(scope="module")
+def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnPool]:
+    served = tuple(q for q in queues(DEFAULT_GRAPH) if q != UNSERVED)
+    with own_pool(redis_url, tmp_path_factory.mktemp("logs"), tag="tlo", queues=served) as env:
+        yield env
+
+
+@pytest.fixture
+def run(env: OwnPool, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> Any:
+    """`run("status", "--json")` -> (exit code, stdout, stderr) of `threadline ...` in this process."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("TL_PREFIX", env.pool.prefix)
+    monkeypatch.setenv("TL_LOG_FORMAT", "json")
+
+    def invoke(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return int(exited.value.code or 0), out, err
+
+    return invoke
+
+
+def raw_message(queue: str, mid: str, actor: str, args: list[Any], **fields: Any) -> bytes:
+    """A dramatiq message as the README's raw producer writes it."""
+    return json.dumps({"queue_name": queue, "actor_name": actor, "args": args, "kwargs": {},
+                       "options": {"redis_message_id": mid}, "message_id": mid,
+                       "message_timestamp": int(time.time() * 1000), **fields}).encode()
+
+
+def listed(run: Any, queue: str | None = None) -> dict[str, dict[str, Any]]:
+    code, out, _ = run("dead-letters", "list", "--json", *(("--queue", queue) if queue else ()))
+    assert code == 0
+    return {d["message_id"]: d for d in json.loads(out)}
+
+
+def stream_entries(env: OwnPool, mid: str) -> list[dict[str, str]]:
+    entries = env.redis.xrange(f"{env.pool.prefix}:deadletters")
+    rows = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
+    return [row for row in rows if row["message_id"] == mid]
+
+
+def test_status_shows_the_queues_the_workers_and_a_turn_in_flight(env: OwnPool, run: Any, tmp_path: Path) -> None:
+    # a message that waited a minute on the queue nobody serves
+    waiting = f"old-{uuid.uuid4().hex[:8]}"
+    env.redis.hset(f"{env.ns}:{UNSERVED}.msgs", waiting,
+                   raw_message(UNSERVED, waiting, UNSERVED, [{}], message_timestamp=int(time.time() * 1000) - 60_000))
+    env.redis.rpush(f"{env.ns}:{UNSERVED}", waiting)
+    release = tmp_path / "release"
+    slow = f"agent-{uuid.uuid4().hex[:10]}"
+    env.client.put_agent(AgentConfig.model_validate({"id": slow, "model": {
+        "provider": "python", "name": "tests.support.models:streaming",
+        "options": {"words": 2000, "delay_ms": 5, "until": str(release)}}}))
+    turn_id = env.client.submit(turn(slow, "hold on"))
+    try:
+        # streaming: the turn is in flight (and the model has something to answer when released)
+        assert poll(lambda: any(e.type == "text_delta" for e in env.client.events(turn_id)), timeout_s=10)
+        status = json.loads(run("status", "--json")[1])
+        assert status["turns"]["count"] == 1
+        assert status["turns"]["oldest_turn_id"] == turn_id
+        assert status["turns"]["oldest_age_s"] < 30
+        assert status["workers_alive"] >= 1
+        by_name = {q["name"]: q for q in status["queues"]}
+        assert list(by_name) == list(queues(DEFAULT_GRAPH))
+        assert by_name[UNSERVED]["depth"] == 1
+        assert 59 <= by_name[UNSERVED]["oldest_age_s"] < 120
+        assert by_name["resolve"]["depth"] == 0 and by_name["resolve"]["oldest_age_s"] is None
+        code, out, _ = run("status")
+        assert code == 0
+        assert f"turns in flight: 1 (oldest {turn_id}:" in out
+        assert "workers alive: 1" in out
+        assert any(line.split()[:2] == [UNSERVED, "1"] for line in out.splitlines()), out
+    finally:
+        release.touch()
+    terminal = env.client.wait(turn_id, timeout_s=20)
+    assert terminal.type == "succeeded", terminal
+    env.redis.delete(f"{env.ns}:{UNSERVED}", f"{env.ns}:{UNSERVED}.msgs")
+    assert json.loads(run("status", "--json")[1])["turns"]["count"] == 0
+
+
+def test_a_poison_message_is_listed_shown_replayed_and_purged(env: OwnPool, run: Any) -> None:
+    poison = f"bad-{uuid.uuid4().hex[:8]}"
+    args = [{**turn(env.agent, "hi", turn_id=poison), "api_key": SECRET}]
+    env.redis.hset(f"{env.ns}:resolve.msgs", poison, raw_message("resolve", poison, "no_such_actor", args))
+    env.redis.rpush(f"{env.ns}:resolve", poison)
+    env.redis.publish(f"{env.pool.prefix}:doorbell", "resolve")
+
+    letter = poll(lambda: listed(run).get(poison))
+    assert letter is not None
+    assert (letter["queue"], letter["actor"], letter["reason"]) == ("resolve", "no_such_actor",
+                                                                   "unknown_actor: no_such_actor")
+    assert abs(letter["dead_at"] - time.time()) < 30
+    code, out, _ = run("dead-letters", "list")
+    assert code == 0 and poison in out and "unknown_actor: no_such_actor" in out
+
+    code, out, _ = run("dead-letters", "show", poison)
+    assert code == 0
+    assert "reason: unknown_actor: no_such_actor" in out and "actor: no_such_actor" in out
+    assert '"query": "hi"' in out and SECRET not in out and "***" in out
+    code, out, err = run("dead-letters", "show", "no-such-id")
+    assert (code, out) == (3, "") and len(err.strip().splitlines()) == 1
+
+    # back on its queue: a worker fetches it and refuses it again, with a second stream entry
+    assert run("dead-letters", "replay", poison)[:2] == (0, f"replayed {poison}\n")
+    assert poll(lambda: len(stream_entries(env, poison)) == 2)
+    assert poll(lambda: poison in listed(run))
+    assert run("dead-letters", "replay", "no-such-id")[0] == 3
+
+    code, _, err = run("dead-letters", "purge")
+    assert code == 2 and "pass --yes" in err
+    assert poison in listed(run)
+    purged = run("dead-letters", "purge", "--older-than", "3600", "--yes")
+    assert purged[1] == "purged 0 dead letters older than 3600 s\n"
+    assert poison in listed(run)
+    code, out, _ = run("dead-letters", "purge", "--yes")
+    assert code == 0 and out.startswith("purged ")
+    assert listed(run) == {}
+    assert env.redis.hlen(f"{env.ns}:resolve.XQ.msgs") == 0
+
+
+def test_a_replayed_turn_request_is_processed(env: OwnPool, run: Any) -> None:
+    """A turn request dramatiq gave up on (its actor raised until the retries ran out, say while a
+    dependency was down), left as its `nack` leaves it: replayed, the turn runs and succeeds."""
+    turn_id = uuid.uuid4().hex
+    request = {"schema": "threadline.turn/v1", **turn(env.agent, "again", turn_id=turn_id)}
+    body = raw_message("resolve", turn_id, "resolve", [request])
+    spent = json.loads(body)
+    spent["options"].update(retries=5, traceback="ConnectionError: down")
+    env.redis.zadd(f"{env.ns}:resolve.XQ", {turn_id: int(time.time() * 1000)})
+    env.redis.hset(f"{env.ns}:resolve.XQ.msgs", turn_id, json.dumps(spent))
+    env.redis.xadd(f"{env.pool.prefix}:deadletters", {"queue": "resolve", "message_id": turn_id, "actor": "resolve",
+                                                      "reason": "failed: ConnectionError"})
+    assert listed(run, "resolve")[turn_id]["reason"] == "failed: ConnectionError"
+
+    assert run("dead-letters", "replay", turn_id, "--queue", "resolve")[0] == 0
+    terminal = env.client.wait(turn_id, timeout_s=10)
+    assert terminal.type == "succeeded", terminal
+    assert turn_id not in listed(run)
+    assert run("dead-letters", "replay", turn_id)[0] == 3
+
+
+def test_usage_reads_the_tenant_counters(env: OwnPool, run: Any) -> None:
+    tenant = f"tenant-{uuid.uuid4().hex[:8]}"
+    terminals = [env.client.wait(env.client.submit(turn(env.agent, f"question {i}", tenant_id=tenant)), timeout_s=10)
+                 for i in range(2)]
+    usages = [t.usage for t in terminals if t.type == "succeeded"]
+    assert len(usages) == 2
+    code, out, _ = run("usage", tenant, "--json")
+    assert code == 0
+    assert json.loads(out) == {"tenant_id": tenant, "turns": 2, "requests": sum(u.requests for u in usages),
+                               "input_tokens": sum(u.input_tokens for u in usages),
+                               "output_tokens": sum(u.output_tokens for u in usages), "other": {}}
+    assert sum(u.input_tokens for u in usages) > 0
+    code, out, _ = run("usage", tenant)
+    assert code == 0 and out.startswith(f"tenant {tenant}: 2 turns")
+    assert json.loads(run("usage", "nobody", "--json")[1])["turns"] == 0

@@ -1,0 +1,291 @@
+"""What an operator asks a running deployment: the queues (waiting, delayed, in progress, dead, age
+of the oldest message), the workers alive, the turns in flight, the dead letters (listed, shown,
+replayed, purged) and a tenant's usage counters. Sync, over one `redis.Redis` and the `Keys`; it
+reads dramatiq's RedisBroker layout under `<prefix>:q` and writes only through its two scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import redis
+from dramatiq.brokers.redis import DEFAULT_HEARTBEAT_TIMEOUT
+
+from threadline.pipeline.redact import redact, redact_value
+from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
+
+from . import lua
+from .actors import queues as graph_queues
+from .broker import DEAD_LETTERS_MAXLEN, MAX_JSON_DEPTH, _json_too_deep
+from .keys import Keys
+from .schema import text, text_map
+
+#: Messages looked at from the head of a queue for the oldest one (a redelivered message goes to
+#: the tail, so the head is not always the oldest).
+OLDEST_SCAN = 100
+#: Turns in flight looked at for the oldest admission (the set is ordered by last progress).
+IN_FLIGHT_SCAN = 100
+#: What `show` prints of a body that is no message.
+RAW_CLIP = 2_000
+#: The message options a replay drops: the retries spent, so that it gets its full retry policy again.
+_SPENT_OPTIONS = ("retries", "traceback", "eta")
+
+ReplayOutcome = Literal["replayed", "missing", "changed", "queued"]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    name: str
+    #: Messages waiting on the queue.
+    depth: int
+    #: Messages on its delay queue (`<name>.DQ`: retries waiting out their backoff).
+    delayed: int
+    #: Messages fetched by a worker and not acked yet (running, or prefetched).
+    in_progress: int
+    dead: int
+    #: Seconds since the oldest waiting message was enqueued (None: none waits).
+    oldest_age_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """Turns between admission and their end (`<prefix>:running`)."""
+
+    count: int
+    #: The turn admitted first (among the IN_FLIGHT_SCAN stalest), its age, and its time since progress.
+    oldest_turn_id: str | None = None
+    oldest_age_s: float | None = None
+    oldest_idle_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    queues: tuple[QueueStatus, ...]
+    #: Worker processes whose dramatiq heartbeat is fresher than the heartbeat timeout.
+    workers_alive: int
+    #: Worker ids still in the heartbeat set (dead ones stay until dramatiq's maintenance drops them).
+    workers_known: int
+    turns: InFlight
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    queue: str
+    message_id: str
+    #: When it was dead-lettered (epoch seconds).
+    dead_at: float
+    #: From the dead-letter stream ("" when its entry was trimmed away).
+    actor: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterBody:
+    letter: DeadLetter
+    #: The decoded dramatiq message, credentials redacted (None: the body is no JSON object).
+    message: Mapping[str, Any] | None
+    #: The body as text, clipped and redacted, when it is no message.
+    raw: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    tenant_id: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    requests: int = 0
+    turns: int = 0
+    #: Any other counter the hash holds (a newer worker's).
+    other: Mapping[str, int] = field(default_factory=dict)
+
+
+class Operations:
+    def __init__(self, client: redis.Redis, keys: Keys, *, graph: StageGraph = DEFAULT_GRAPH,
+                 heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
+        self.redis = client
+        self.keys = keys
+        self.queues: tuple[str, ...] = graph_queues(graph)
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
+        self._replay = client.register_script(lua.source("dead_letter_replay"))
+        self._purge = client.register_script(lua.source("dead_letter_purge"))
+
+    # --- status --------------------------------------------------------------------------------
+
+    def status(self, *, now: float | None = None) -> Status:
+        now = time.time() if now is None else now
+        workers = _scored(self.redis.zrange(self.keys.heartbeats(), 0, -1, withscores=True))
+        alive = sum(1 for _, beat in workers if beat > now * 1000 - self.heartbeat_timeout_ms)
+        pipe = self.redis.pipeline(transaction=False)
+        for q in self.queues:
+            pipe.llen(self.keys.queue(q))
+            pipe.llen(self.keys.queue(f"{q}.DQ"))
+            pipe.zcard(self.keys.queue(f"{q}.XQ"))
+            pipe.lrange(self.keys.queue(q), 0, OLDEST_SCAN - 1)
+            for worker_id, _ in workers:
+                pipe.scard(self.keys.acks(worker_id, q))
+        replies = iter(pipe.execute())
+        queues = []
+        for q in self.queues:
+            depth, delayed, dead, head = next(replies), next(replies), next(replies), next(replies)
+            in_progress = sum(next(replies) for _ in workers)
+            queues.append(QueueStatus(q, depth, delayed, in_progress, dead, self._oldest_age(q, head, now)))
+        return Status(tuple(queues), alive, len(workers), self._in_flight(now))
+
+    def _oldest_age(self, queue: str, ids: Sequence[bytes], now: float) -> float | None:
+        if not ids:
+            return None
+        bodies = cast(list[bytes | None], self.redis.hmget(self.keys.queue_messages(queue), list(ids)))
+        stamps = [_timestamp_ms(body) for body in bodies]
+        known = [s for s in stamps if s is not None]
+        return max(0.0, now - min(known) / 1000) if known else None
+
+    def _in_flight(self, now: float) -> InFlight:
+        running = self.keys.running()
+        count = self.redis.zcard(running)
+        stalest = _scored(self.redis.zrange(running, 0, IN_FLIGHT_SCAN - 1, withscores=True))
+        if not stalest:
+            return InFlight(count)
+        pipe = self.redis.pipeline(transaction=False)
+        for turn_id, _ in stalest:
+            pipe.hget(self.keys.turn(turn_id), "admitted_at")
+        admitted = [float(a) if a is not None else progress
+                    for a, (_, progress) in zip(pipe.execute(), stalest, strict=True)]
+        i = min(range(len(stalest)), key=admitted.__getitem__)
+        return InFlight(count, stalest[i][0], max(0.0, now - admitted[i]), max(0.0, now - stalest[i][1]))
+
+    # --- dead letters --------------------------------------------------------------------------
+
+    def dead_letters(self, *, queue: str | None = None) -> list[DeadLetter]:
+        """Every dead letter whose body is kept (dramatiq's `<queue>.XQ`), oldest first. Refusals
+        recorded without a body (the stream's other entries) cannot be replayed and are not listed."""
+        pipe = self.redis.pipeline(transaction=False)
+        names = self._queues(queue)
+        for q in names:
+            pipe.zrange(self.keys.queue(f"{q}.XQ"), 0, -1, withscores=True)
+        reasons = self._reasons()
+        letters = []
+        for q, entries in zip(names, pipe.execute(), strict=True):
+            for mid, score in _scored(entries):
+                actor, reason = reasons.get((q, mid), ("", ""))
+                letters.append(DeadLetter(q, mid, score / 1000, actor, reason))
+        return sorted(letters, key=lambda d: d.dead_at)
+
+    def dead_letter(self, message_id: str, *, queue: str | None = None,
+                    secrets: Iterable[str] = ()) -> DeadLetterBody | None:
+        """A dead letter and its body (args redacted), or None when no queue holds it."""
+        found = self._find(message_id, queue)
+        if found is None:
+            return None
+        q, score, body = found
+        actor, reason = self._reasons().get((q, message_id), ("", ""))
+        letter = DeadLetter(q, message_id, score / 1000, actor, reason)
+        message = _decode(body)
+        secrets = tuple(secrets)
+        if message is None:
+            return DeadLetterBody(letter, None, redact(body[:RAW_CLIP].decode(errors="replace"), secrets))
+        return DeadLetterBody(letter, cast(Mapping[str, Any], redact_value(message, secrets)))
+
+    def replay(self, message_id: str, *, queue: str | None = None) -> ReplayOutcome:
+        """Enqueue a dead letter again on its queue, with its retries reset, and drop it from the
+        dead letters, atomically (`dead_letter_replay.lua`)."""
+        found = self._find(message_id, queue)
+        if found is None:
+            return "missing"
+        q, _, body = found
+        return cast(ReplayOutcome, text(self._replay(
+            keys=[self.keys.queue(f"{q}.XQ"), self.keys.queue_messages(f"{q}.XQ"), self.keys.queue_messages(q),
+                  self.keys.queue(q)],
+            args=[lua.payload(message_id=message_id, channel=self.keys.doorbell_channel(), queue=q), body,
+                  _fresh(body, q)],
+        )))
+
+    def replay_all(self, *, queue: str | None = None) -> dict[ReplayOutcome, int]:
+        counts: dict[ReplayOutcome, int] = {}
+        for letter in self.dead_letters(queue=queue):
+            outcome = self.replay(letter.message_id, queue=letter.queue)
+            counts[outcome] = counts.get(outcome, 0) + 1
+        return counts
+
+    def purge(self, *, queue: str | None = None, older_than_s: float | None = None,
+              now: float | None = None) -> int:
+        """Delete dead letters (entries and bodies); only those older than `older_than_s` when given.
+        The dead-letter stream, a capped record of what happened, stays."""
+        now = time.time() if now is None else now
+        cutoff = "+inf" if older_than_s is None else str(int((now - older_than_s) * 1000))
+        return sum(int(self._purge(keys=[self.keys.queue(f"{q}.XQ"), self.keys.queue_messages(f"{q}.XQ")],
+                                   args=[cutoff]))
+                   for q in self._queues(queue))
+
+    def _queues(self, queue: str | None) -> tuple[str, ...]:
+        return self.queues if queue is None else (queue,)
+
+    def _find(self, message_id: str, queue: str | None) -> tuple[str, float, bytes] | None:
+        for q in self._queues(queue):
+            score = self.redis.zscore(self.keys.queue(f"{q}.XQ"), message_id)
+            body = self.redis.hget(self.keys.queue_messages(f"{q}.XQ"), message_id)
+            if body is not None:
+                return q, float(score or 0), cast(bytes, body)
+        return None
+
+    def _reasons(self) -> dict[tuple[str, str], tuple[str, str]]:
+        """(queue, message id) -> (actor, reason) of its latest entry in the dead-letter stream."""
+        found: dict[tuple[str, str], tuple[str, str]] = {}
+        entries = cast(list[tuple[bytes, dict[bytes | str, bytes | str]]],
+                       self.redis.xrevrange(self.keys.dead_letters(), count=DEAD_LETTERS_MAXLEN * 2))
+        for _, raw in entries:
+            fields = text_map(raw)
+            found.setdefault((fields.get("queue", ""), fields.get("message_id", "")),
+                             (fields.get("actor", ""), fields.get("reason", "")))
+        return found
+
+    # --- usage ---------------------------------------------------------------------------------
+
+    def usage(self, tenant_id: str) -> TenantUsage:
+        counters = {text(k): int(v) for k, v in self.redis.hgetall(self.keys.usage(tenant_id)).items()}
+        return TenantUsage(tenant_id, input_tokens=counters.pop("input_tokens", 0),
+                           output_tokens=counters.pop("output_tokens", 0), requests=counters.pop("requests", 0),
+                           turns=counters.pop("turns", 0), other=counters)
+
+
+def _scored(reply: Any) -> list[tuple[str, float]]:
+    """A ZRANGE WITHSCORES reply as (member, score) pairs."""
+    return [(text(member), float(score)) for member, score in cast(list[tuple[bytes, float]], reply)]
+
+
+def _decode(body: bytes) -> dict[str, Any] | None:
+    """The JSON object a body holds, or None (undecodable, nested too deep, not an object)."""
+    if _json_too_deep(body, MAX_JSON_DEPTH):
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _timestamp_ms(body: bytes | None) -> float | None:
+    message = _decode(body) if body is not None else None
+    stamp = message.get("message_timestamp") if message else None
+    return float(stamp) if isinstance(stamp, int | float) and not isinstance(stamp, bool) else None
+
+
+def _fresh(body: bytes, queue: str) -> bytes:
+    """The body to replay: its retries spent dropped, and a delay queue's message moved to its queue;
+    a body that is no message goes back as it is (it is refused again, with its reason)."""
+    message = _decode(body)
+    if message is None:
+        return body
+    options = message.get("options")
+    spent = isinstance(options, dict) and any(k in options for k in _SPENT_OPTIONS)
+    delayed = message.get("queue_name") == f"{queue}.DQ"
+    if not spent and not delayed:
+        return body
+    if isinstance(options, dict):
+        message["options"] = {k: v for k, v in options.items() if k not in _SPENT_OPTIONS}
+    if delayed:
+        message["queue_name"] = queue
+    return json.dumps(message, separators=(",", ":")).encode()
