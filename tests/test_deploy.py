@@ -5,6 +5,7 @@ check they all run, against a real `threadline worker` supervisor."""
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 import shutil
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from fnmatch import fnmatch
@@ -27,8 +30,10 @@ import yaml
 from tests.support.wait import poll
 from threadline.pipeline.policy import CONVENTIONAL_KEY_NAMES, REGION_VARIABLES
 from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers import metrics
 from threadline.workers.actors import queues as all_queues
 from threadline.workers.keys import Keys
+from threadline.workers.operations import Operations
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -242,6 +247,7 @@ def test_dockerfile_runs_as_its_user_with_a_data_dir_it_owns_and_a_healthcheck()
     assert re.search(rf'CMD \["{re.escape(Path(installed_healthcheck()).name)}"', healthcheck)
     assert re.search(r"--start-period=\d+s", healthcheck)
     assert instructions("ENTRYPOINT") == ['["threadline"]'], "the supervisor is PID 1: the health check's --parent"
+    assert instructions("EXPOSE") == [dockerfile_env()["TL_METRICS_PORT"]], "the port /metrics and /healthz are on"
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------
@@ -267,15 +273,29 @@ def test_worker_deployments_have_probes_resources_and_grace() -> None:
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         (container,) = spec["containers"]
         assert_pinned(container["image"], ours=True)
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            command = container[probe]["exec"]["command"]
-            assert command[0] == Path(installed_healthcheck()).name, f"{name} {probe}: {command}"
-        assert "--live" in container["livenessProbe"]["exec"]["command"], "a Redis outage must not restart workers"
-        assert "--live" not in container["readinessProbe"]["exec"]["command"]
+        assert probe_paths(container) == PROBES, f"{name}: {probe_paths(container)}"
         resources = container["resources"]
         assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"], name
         if container["securityContext"]["readOnlyRootFilesystem"]:
             assert data_dir in {m["mountPath"] for m in container["volumeMounts"]}, f"{name}: {data_dir} read-only"
+
+
+#: Where each probe of a worker container points: liveness and start-up never ask Redis (an outage
+#: makes pods unready, it must not restart them); readiness does.
+PROBES = {"startupProbe": "/livez", "readinessProbe": "/healthz", "livenessProbe": "/livez"}
+
+
+def probe_paths(container: Doc) -> dict[str, str]:
+    """Each probe's HTTP path, once checked to aim at the port the supervisor serves on."""
+    port = int({v["name"]: v.get("value") for v in container["env"]}["TL_METRICS_PORT"])
+    named_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    paths = {}
+    for probe in PROBES:
+        get = container[probe]["httpGet"]
+        assert named_ports.get(get["port"], get["port"]) == port, f"{probe} aims at {get['port']}, not {port}"
+        assert get["path"] in metrics.PATHS, f"{probe}: {get['path']} is not served"
+        paths[probe] = get["path"]
+    return paths
 
 
 def test_worker_deployments_read_only_known_settings_and_secrets_by_reference() -> None:
@@ -360,6 +380,39 @@ def test_keda_scales_the_invoke_workers_on_the_invoke_queue_list() -> None:
     assert yaml.safe_load(patch["patch"]) == [{"op": "remove", "path": "/spec/replicas"}], "the HPA owns replicas"
 
 
+# --- Grafana ----------------------------------------------------------------------------------------
+
+
+def defined_series(redis_url: str) -> set[str]:
+    """Every series name the workers and the supervisor's endpoint expose: the worker processes'
+    metrics, and the families the queue collector reads from a (real, empty) prefix."""
+    families = [m for c in (metrics.TURNS, metrics.STAGE_SECONDS, metrics.STAGES_RUNNING, metrics.REDELIVERIES,
+                            metrics.TAKEOVERS, metrics.CANCEL_SECONDS, metrics.INPUT_TOKENS, metrics.OUTPUT_TOKENS,
+                            metrics.MODEL_REQUESTS, metrics.CONSUMERS, metrics.WORKER_READY)
+                for m in c.describe()]
+    client = redis.Redis.from_url(redis_url)
+    try:
+        families += list(metrics.QueueCollector(Operations(client, Keys(f"tlg{uuid.uuid4().hex[:6]}"))).collect())
+    finally:
+        client.close()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {f.name + suffix for f in families for suffix in suffixes[f.type]}
+
+
+def test_grafana_dashboard_queries_only_metrics_the_code_defines(redis_url: str) -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "threadline.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert len(exprs) >= 10
+    defined = defined_series(redis_url)
+    used = {name for expr in exprs for name in re.findall(r"\bthreadline_[a-z_]+", expr)}
+    assert used <= defined, f"not defined: {used - defined}"
+    # every family a worker or the supervisor exposes is on the dashboard
+    assert {re.sub(r"_(bucket|count|sum)$", "", n) for n in used} >= {
+        re.sub(r"_(bucket|count|sum)$", "", n) for n in defined}, "a metric without a panel"
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
 # --- systemd ----------------------------------------------------------------------------------------
 
 
@@ -384,6 +437,16 @@ def healthcheck(*args: str, env: dict[str, str] | None = None) -> tuple[int, str
     return result.returncode, result.stdout.strip()
 
 
+def http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -392,11 +455,16 @@ def closed_port() -> int:
 
 
 @pytest.fixture
-def supervisor(redis_url: str) -> Iterator[subprocess.Popen[bytes]]:
+def metrics_port() -> int:
+    return closed_port()
+
+
+@pytest.fixture
+def supervisor(redis_url: str, metrics_port: int) -> Iterator[subprocess.Popen[bytes]]:
     """`threadline worker`, as the image's ENTRYPOINT runs it, on a prefix of its own."""
     prefix = f"tld{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "REDIS_URL": redis_url, "TL_PREFIX": prefix, "TL_LOG_LEVEL": "WARNING",
-           "PYTHONPATH": str(ROOT)}
+           "TL_METRICS_PORT": str(metrics_port), "PYTHONPATH": str(ROOT)}
     threadline = shutil.which("threadline", path=str(Path(sys.executable).parent)) or "threadline"
     process = subprocess.Popen([threadline, "worker", "--processes", "1", "--threads", "2"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -411,11 +479,16 @@ def supervisor(redis_url: str) -> Iterator[subprocess.Popen[bytes]]:
 
 
 @pytest.mark.integration
-def test_healthcheck_follows_the_supervisor_and_redis(supervisor: subprocess.Popen[bytes], redis_url: str) -> None:
+def test_healthcheck_follows_the_supervisor_and_redis(supervisor: subprocess.Popen[bytes], redis_url: str,
+                                                      metrics_port: int) -> None:
     parent = str(supervisor.pid)
     healthy = poll(lambda: healthcheck("--parent", parent, "--min-age-s", "0.5", env={"REDIS_URL": redis_url})
                    == (0, "healthy"), timeout_s=30, interval_s=0.3)
     assert healthy, healthcheck("--parent", parent, "--min-age-s", "0.5", env={"REDIS_URL": redis_url})
+    # the manifests' HTTP probes, against the supervisor itself
+    paths = {path for d in of_kind("Deployment") for path in probe_paths(pod_spec(d)["containers"][0]).values()}
+    for path in sorted(paths):
+        assert poll(lambda path=path: http_status(metrics_port, path) == 200, timeout_s=15), path
     code, out = healthcheck("--parent", parent, "--min-age-s", "600", env={"REDIS_URL": redis_url})
     assert code == 1 and "none up for 600 s" in out, out
 

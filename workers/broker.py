@@ -6,6 +6,10 @@ instead; every enqueue PUBLISHes the queue name on the doorbell channel, and eac
 one pub/sub listener sets the events of that queue. Consumers still poll every `idle_poll_ms`, so
 messages from producers that ring nothing (raw Redis), rings lost to a reconnect, and redelivered
 messages are all picked up, with the ordinary polling latency.
+
+When Redis does not answer, the process says so once (`Reachability`) and each consumer tries again
+with exponential backoff, instead of dramatiq's critical line per consumer every 3 s. A stopping
+worker's consumers fetch nothing more.
 """
 
 from __future__ import annotations
@@ -25,12 +29,76 @@ from dramatiq.common import q_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message, get_encoder
 
+from threadline.pipeline.redact import redact
+
 from . import lua
 from .keys import Keys
 from .listener import Listener
 from .settings import Settings
 
 log = structlog.get_logger(__name__)
+
+#: A failing source's first retry comes after this long, each next one after twice as long, up to the cap.
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 30.0
+#: While Redis stays unreachable, one reminder line this often.
+REMIND_S = 60.0
+
+
+class Reachability:
+    """Whether this process reaches Redis, told once: the first failure is one error line
+    (`redis_unreachable`, with the URL, its password masked), a long outage a reminder every
+    `REMIND_S`, the return one info line (`redis_reachable`). Every source that talks to Redis on
+    its own (each consumer, the listener, the watchdog, the heartbeat) reports here and waits the
+    delay it is given (exponential per source, capped at `RETRY_MAX_S`) before it tries again."""
+
+    def __init__(self, url: str) -> None:
+        self.url = redact(url)
+        self._lock = threading.Lock()
+        self._failures: dict[str, int] = {}
+        self._down_since: float | None = None
+        self._reminded = 0.0
+
+    @property
+    def up(self) -> bool:
+        with self._lock:
+            return self._down_since is None
+
+    def failed(self, source: str, error: BaseException) -> float:
+        """`source` could not reach Redis: how long it should wait before its next try."""
+        now = time.monotonic()
+        with self._lock:
+            failures = self._failures[source] = self._failures.get(source, 0) + 1
+            first = self._down_since is None
+            remind = not first and now - self._reminded >= REMIND_S
+            if first:
+                self._down_since = now
+            if first or remind:
+                self._reminded = now
+            down_s = now - (self._down_since or now)
+        delay = min(RETRY_MIN_S * 2.0 ** (failures - 1), RETRY_MAX_S)
+        if first:
+            log.error("redis_unreachable", url=self.url, error=f"{type(error).__name__}: {error}", source=source,
+                      retry_in_s=delay)
+        elif remind:
+            log.warning("redis_still_unreachable", url=self.url, down_s=round(down_s, 1), retry_in_s=delay)
+        return delay
+
+    def retry_in(self, source: str) -> float:
+        """How long `source` waits before its next try (0 when its last one went through)."""
+        with self._lock:
+            failures = self._failures.get(source, 0)
+        return min(RETRY_MIN_S * 2.0 ** (failures - 1), RETRY_MAX_S) if failures else 0.0
+
+    def ok(self, source: str) -> None:
+        """`source` reached Redis."""
+        with self._lock:
+            if not self._failures and self._down_since is None:
+                return
+            self._failures.pop(source, None)
+            down_since, self._down_since = self._down_since, None
+        if down_since is not None:
+            log.info("redis_reachable", url=self.url, down_s=round(time.monotonic() - down_since, 1), source=source)
 
 
 class DoorbellBroker(RedisBroker):
@@ -46,12 +114,14 @@ class DoorbellBroker(RedisBroker):
         self._rings_lock = threading.Lock()
         self._listener: Listener | None = None
         self.closing = False
+        self.reachability = Reachability(url)
+        self._closed = threading.Event()
 
     @property
     def listener(self) -> Listener:
         """The process's pub/sub listener, started on first use (worker processes only)."""
         if self._listener is None:
-            self._listener = Listener(self.url)
+            self._listener = Listener(self.url, reachability=self.reachability)
             self._listener.on(self.keys.doorbell_channel(), self._ring)
             self._listener.on_reconnect(self._ring_all)
         return self._listener
@@ -61,6 +131,8 @@ class DoorbellBroker(RedisBroker):
             prefetch = self.settings.invoke_prefetch or 1
         delayed = queue_name.endswith(".DQ")
         idle_ms = self.settings.delay_poll_ms if delayed else self.settings.idle_poll_ms
+        # dramatiq restarts a consumer that lost its connection after 3 s; this adds the backoff
+        self._closed.wait(self.reachability.retry_in(queue_name))
         ring = threading.Event()
         with self._rings_lock:
             self._rings.setdefault(queue_name, []).append(ring)
@@ -78,9 +150,15 @@ class DoorbellBroker(RedisBroker):
         for ring in rings:
             ring.set()
 
+    def ring(self, queue_name: str) -> None:
+        """Tell every worker that `queue_name` has messages (ones put back without an enqueue)."""
+        self.client.publish(self.keys.doorbell_channel(), queue_name)
+
     def before_shutdown(self) -> None:
-        """Wake every idle consumer so that a stopping worker does not wait out their polls."""
+        """Stop fetching, and wake every idle consumer so that a stopping worker does not wait out
+        their polls (or a backoff)."""
         self.closing = True
+        self._closed.set()
         self._ring_all()
 
     def _ring_all(self) -> None:
@@ -256,13 +334,15 @@ class DoorbellConsumer(_RedisConsumer):
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()
                 fetched: list[bytes | None] = []
-                if self.outstanding_message_count < self.prefetch:
+                if self.outstanding_message_count < self.prefetch and not self.broker.closing:
                     fetched = self.broker.do_fetch(self.queue_name, self.prefetch - self.outstanding_message_count)
+                    self.broker.reachability.ok(self.queue_name)
                     self.message_cache = self._admit(fetched)
                 if not fetched:
                     self.ring.wait(self._wait_s())
                     return None
         except redis.ConnectionError as e:
+            self.broker.reachability.failed(self.queue_name, e)
             raise ConnectionClosed(e) from None  # type: ignore[no-untyped-call]
 
     def _wait_s(self) -> float:

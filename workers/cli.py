@@ -1,5 +1,5 @@
 """`threadline`: demo, worker, submit, events, cancel, agents (put, list, show, versions, publish, rollback, diff),
-thread, conversations delete.
+thread, conversations delete, gateway, keys create.
 
 Every failure is one line on stderr and an exit code from the table below (the README's too); the
 commands that only talk to a server (all but `worker` and `demo`) never start one and import no
@@ -374,6 +374,52 @@ def describe_budget(decision: dict[str, Any]) -> str:
             f"{decision['tokenizer']}")
 
 
+def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
+    """Serve the HTTP + SSE gateway (FastAPI, uvicorn: the `gateway` extra) on the server workers use."""
+    try:
+        import uvicorn
+
+        from .gateway import create_app
+    except ImportError as e:
+        raise Exit(EXIT_BAD_INPUT, f"the gateway needs its extra: pip install 'threadline[gateway]' ({e.name} "
+                                   "is missing)") from None
+    from .logs import configure_logging
+
+    configure_logging(settings)
+    url = join(settings)
+    redis.Redis.from_url(url).ping()  # unreachable: one line and exit 4, before the port is taken
+    print(f"threadline: gateway on http://{args.host}:{args.port} for {display_url(url)}", file=sys.stderr)
+    uvicorn.run(create_app(settings, url, console_dir=args.console), host=args.host, port=args.port,
+                log_level="warning")
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
+    from .apikeys import create_key
+
+    client = producer(settings)
+    try:
+        print(create_key(client.redis, client.keys, args.tenant, admin=args.admin))
+    finally:
+        client.close()
+    return 0
+
+
+def add_gateway_parsers(sub: Any) -> None:
+    """`threadline gateway` and `threadline keys create TENANT`."""
+    gateway = sub.add_parser("gateway", help="serve the HTTP + SSE API (needs the `gateway` extra)")
+    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    gateway.add_argument("--port", type=at_least_one, default=8080, help="port to listen on (default 8080)")
+    gateway.add_argument("--console", type=Path, default=None, help="a directory of static files served at /")
+    gateway.set_defaults(func=cmd_gateway)
+    keys = sub.add_parser("keys", help="the gateway's API keys").add_subparsers(dest="keys", required=True)
+    create = keys.add_parser("create", help="make an API key for a tenant; it is printed once (only its hash "
+                                            "is stored)")
+    create.add_argument("tenant", help="the tenant id every call with the key acts as")
+    create.add_argument("--admin", action="store_true", help="the key may also put, show and publish agents")
+    create.set_defaults(func=cmd_keys_create)
+
+
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from .demo import run_demo
     from .logs import configure_logging
@@ -481,6 +527,7 @@ def parser() -> argparse.ArgumentParser:
     thread.set_defaults(func=cmd_thread)
     add_conversations_parser(sub)
     add_operations_parser(sub)
+    add_gateway_parsers(sub)
 
     turn = sub.add_parser("turn", help="inspect a turn").add_subparsers(dest="turn", required=True)
     show = turn.add_parser("show", help="what a turn decided: budget, turns kept and dropped, tokenizer")

@@ -2,21 +2,31 @@
 
 It enqueues exactly what the README tells any other producer to write with raw Redis commands
 (HSET the message, RPUSH its id, PUBLISH the doorbell), so that path is exercised on every use.
+`submit` returns a `TurnHandle`: the turn id (a `str`) with the methods that follow, wait for,
+cancel and resume the turn; `start` does the same after checking the request with the workers' model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Self, cast
 
 import redis
 
 from threadline.pipeline.config import AgentConfig, parse_agent_config
-from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id, valid_id, valid_turn_id
+from threadline.pipeline.contracts import (
+    TURN_SCHEMA,
+    TurnRequest,
+    new_conversation_id,
+    parse_turn_request,
+    valid_id,
+    valid_turn_id,
+)
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.policy import ModelPolicy
 
@@ -51,11 +61,163 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class TurnIdTaken(InvalidRequest):
+    """`start(..., owner=T)` of a turn id that already names a turn of another tenant (or of no tenant)."""
+
+
+class BaseHandle(str):
+    """What the sync and async turn handles share: a handle is its turn id (a `str`: code that stores
+    or prints the id keeps working) and carries its client; pickled or copied, it is just the id."""
+
+    request: TurnRequest | None
+    created: bool
+
+    def __new__(cls, turn_id: str, client: Any, *, request: TurnRequest | None = None, created: bool = True) -> Self:
+        handle = super().__new__(cls, turn_id)
+        handle.client, handle.request, handle.created = client, request, created  # type: ignore[attr-defined]
+        return handle
+
+    @property
+    def turn_id(self) -> str:
+        return str(self)
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        # the client (a connection pool) does not travel
+        return str, (str(self),)
+
+
+class TurnHandle(BaseHandle):
+    """A submitted turn, to be followed, waited for, cancelled and resumed. `created` is False when
+    `start(..., owner=...)` found the turn already submitted (idempotency)."""
+
+    client: Client
+
+    def entries(self, *, after: str = "0", follow: bool = True,
+                timeout_s: float | None = None) -> Iterator[tuple[str, Event]]:
+        """(stream entry id, event) pairs after the entry id `after`: resume from the last id seen."""
+        return self.client.entries(self, after=after, follow=follow, timeout_s=timeout_s)
+
+    def events(self, *, after: str = "0", follow: bool = True, timeout_s: float | None = None) -> Iterator[Event]:
+        """The typed events after the entry id `after`; with `follow`, until the terminal one."""
+        return self.client.events(self, after=after, follow=follow, timeout_s=timeout_s)
+
+    def result(self, timeout: float | None = 60.0) -> Terminal:
+        """The terminal event, waiting up to `timeout` seconds (None: for ever); `TimeoutError` after."""
+        return self.client.wait(self, timeout_s=timeout)
+
+    def cancel(self, reason: str = "") -> str:
+        return self.client.cancel(self, reason)
+
+    def state(self) -> TurnState:
+        return self.client.turn_state(self)
+
+    def resume(self, answers: Mapping[str, Any], *, turn_id: str | None = None) -> TurnHandle:
+        """Answer this paused turn's pending tool calls (tool call id -> answer): a new turn, started."""
+        paused = self.client.terminal(self)
+        from threadline.pipeline.events import Paused
+
+        if not isinstance(paused, Paused) or not paused.conversation_id:
+            raise InvalidRequest(f"turn {self} is not paused ({paused.type if paused else 'not ended'})")
+        record = None if self.request is not None else self.client.conversation(paused.conversation_id)
+        return self.client.start(resume_body(paused.conversation_id, answers, request=self.request, record=record,
+                                             turn_id=turn_id))
+
+
+def resume_body(conversation_id: str, answers: Mapping[str, Any], *, request: TurnRequest | None,
+                record: ConversationRecord | None, turn_id: str | None) -> dict[str, Any]:
+    """The request that resumes a paused turn: its scope (from its request, else its conversation)."""
+    if request is not None:
+        scope = request.model_dump(include={"tenant_id", "app_id", "user_id", "agent_id", "invoke_from", "draft_id"})
+    else:
+        if record is None:
+            raise InvalidRequest(f"conversation {conversation_id} of the paused turn no longer exists")
+        scope = {"tenant_id": record.tenant_id, "app_id": record.app_id, "user_id": record.user_id,
+                 "agent_id": record.agent_id}
+        if record.config_ref.startswith("draft:"):
+            scope |= {"invoke_from": "draft", "draft_id": record.config_ref.removeprefix("draft:")}
+    body = {**scope, "conversation_id": conversation_id, "deferred_tool_results": {"calls": dict(answers)}}
+    return body | ({"turn_id": turn_id} if turn_id else {})
+
+
+#: The terminal event types (`pipeline.events.TERMINAL_TYPES`, which imports pydantic-ai's world).
+TERMINAL_EVENT_TYPES: Final = frozenset({"succeeded", "paused", "failed", "cancelled", "timed_out"})
+
+
+def read_block_ms(turn_id: str, *, follow: bool, deadline: float | None, timeout_s: float | None) -> int | None:
+    """How long one XREAD of a turn's events may block: None (not at all) unless following; at most
+    1 s, so a deadline is noticed; `TimeoutError` once `deadline` passed."""
+    if not follow:
+        return None
+    remaining = 1.0 if deadline is None else deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"turn {turn_id} did not finish in {timeout_s} s")
+    return max(1, int(min(remaining, 1.0) * 1000))
+
+
+def stream_entries(reply: Any) -> list[tuple[str, Event]]:
+    """An XREAD reply of one events stream as (entry id, typed event) pairs."""
+    from threadline.pipeline import events as ev
+
+    return [(_text(entry_id), ev.decode(fields[b"json"])) for entry_id, fields in (reply[0][1] if reply else [])]
+
+
+def submit_call(keys: Keys, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str,
+                conversation_id: str | None, turn_id: str | None, owner: str | None,
+                now_ms: int) -> tuple[str, list[str], list[str | bytes]]:
+    """The message id, KEYS and ARGV of submit.lua: what any producer writes (sync and async clients)."""
+    target, mid, data = build_message(queue, actor, args, message_id=message_id, now_ms=now_ms)
+    # only ids that name keys of their own take a place in a line (workers refuse the others)
+    register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))
+    line = keys.turn_queue(conversation_id if register and conversation_id else "-")
+    turn = keys.turn(turn_id if register and turn_id else "-")
+    argv = lua.payload(message_id=mid, turn_id=turn_id if register else "", channel=keys.doorbell_channel(),
+                       queue=target, owner=owner if register and owner else "")
+    return mid, [keys.queue_messages(target), keys.queue(target), line, turn], [argv, data]
+
+
+def submitted(reply: Any) -> tuple[bool, str]:
+    """submit.lua's reply: (enqueued, the existing turn's owner when it was not)."""
+    if isinstance(reply, list):
+        return False, _text(reply[1])
+    return True, ""
+
+
+def checked_request(request: Mapping[str, Any] | TurnRequest, *, max_query_chars: int,
+                    max_context_chars: int) -> TurnRequest:
+    """The request checked with the workers' own model and limits (`InvalidRequest` when refused);
+    a request without a turn id gets a new one."""
+    if isinstance(request, TurnRequest):
+        return request
+    return parse_turn_request({"schema": TURN_SCHEMA, **request}, fallback_turn_id=uuid.uuid4().hex,
+                              max_query_chars=max_query_chars, max_context_chars=max_context_chars)
+
+
+def turn_body(request: TurnRequest) -> dict[str, Any]:
+    """A checked request as it is enqueued (JSON, the `schema` field by its name)."""
+    return request.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def owner_of(tenant: bytes | str | None, conversation_tenant: bytes | str | None) -> str | None:
+    """The tenant a turn belongs to: recorded at submission (the gateway's), else its conversation's."""
+    if tenant:
+        return _text(tenant)
+    return _text(conversation_tenant) if conversation_tenant else None
+
+
+def _setting_default(name: str) -> int:
+    """A `Settings` field's default (the workers' own when their env does not change it)."""
+    return cast(int, next(f.default for f in dataclasses.fields(Settings) if f.name == name))
+
+
 class Client:
-    def __init__(self, url: str, *, prefix: str = "tl", policy: ModelPolicy | None = None) -> None:
+    def __init__(self, url: str, *, prefix: str = "tl", policy: ModelPolicy | None = None,
+                 max_query_chars: int | None = None, max_context_chars: int | None = None) -> None:
         self.url = url
         #: What `put_agent` refuses (TL_KEY_ENV_ALLOW, TL_BASE_URL_ALLOW); default: this process's env.
         self.policy = policy if policy is not None else model_policy()
+        #: The limits `start` checks a request against (the workers' TL_MAX_QUERY_CHARS, TL_MAX_CONTEXT_CHARS).
+        self.max_query_chars = max_query_chars or _setting_default("max_query_chars")
+        self.max_context_chars = max_context_chars or _setting_default("max_context_chars")
         self.redis = redis.Redis.from_url(url)
         self.keys = Keys(prefix)
         self.namespace = f"{prefix}:q"
@@ -73,10 +235,17 @@ class Client:
         target = url or settings.redis_url
         if target is None:
             raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
-        return cls(target, prefix=settings.prefix, policy=settings.policy)
+        return cls(target, prefix=settings.prefix, policy=settings.policy, max_query_chars=settings.max_query_chars,
+                   max_context_chars=settings.max_context_chars)
 
     def close(self) -> None:
         self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- agents --------------------------------------------------------------------------------
 
@@ -125,8 +294,9 @@ class Client:
 
     # --- turns ---------------------------------------------------------------------------------
 
-    def submit(self, request: Mapping[str, Any]) -> str:
-        """Enqueue a turn request; returns its turn id (generated when the request has none)."""
+    def submit(self, request: Mapping[str, Any]) -> TurnHandle:
+        """Enqueue a turn request as given (the workers check it: an invalid one ends `failed`);
+        returns its handle, which is its turn id (generated when the request has none)."""
         body = {"schema": TURN_SCHEMA, **request}
         body.setdefault("turn_id", uuid.uuid4().hex)
         turn_id = str(body["turn_id"])
@@ -134,7 +304,35 @@ class Client:
         # that name that conversation before it exists wait behind it
         conversation_id = body.get("conversation_id") or new_conversation_id(turn_id)
         self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=str(conversation_id), turn_id=turn_id)
-        return turn_id
+        return TurnHandle(turn_id, self)
+
+    def start(self, request: Mapping[str, Any] | TurnRequest, *, owner: str | None = None) -> TurnHandle:
+        """Check the request with the workers' model (`InvalidRequest` now rather than a `failed` event
+        later), then enqueue it. With `owner` (a tenant), the turn is recorded as that tenant's, and a
+        turn id that exists already is not enqueued again: the handle says `created=False`, or
+        `TurnIdTaken` when the turn is not `owner`'s."""
+        checked = checked_request(request, max_query_chars=self.max_query_chars,
+                                  max_context_chars=self.max_context_chars)
+        cid = checked.conversation_id or new_conversation_id(checked.turn_id)
+        _, keys, argv = submit_call(self.keys, ADMIT_QUEUE, ADMIT_ACTOR, (turn_body(checked),),
+                                    message_id=uuid.uuid4().hex, conversation_id=cid, turn_id=checked.turn_id,
+                                    owner=owner, now_ms=int(time.time() * 1000))
+        created, existing = submitted(self._submit(keys=keys, args=argv))
+        if not created and existing != owner:
+            raise TurnIdTaken(f"turn_id {checked.turn_id} is taken")
+        return TurnHandle(checked.turn_id, self, request=checked, created=created)
+
+    def handle(self, turn_id: str) -> TurnHandle:
+        """The handle of a turn submitted earlier (by any producer)."""
+        return TurnHandle(turn_id, self)
+
+    def owner(self, turn_id: str) -> str | None:
+        """The tenant a turn belongs to (None: unknown, or not accepted yet and submitted without owner)."""
+        tenant, cid = self.redis.hmget(self.keys.turn(turn_id), ["tenant_id", "conversation_id"])
+        conversation_tenant = None
+        if not tenant and cid:
+            conversation_tenant = self.redis.hget(self.keys.conversation(_text(cid)), "tenant_id")
+        return owner_of(tenant, conversation_tenant)
 
     def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
         """Enqueue anything as the `resolve` argument (tests use it for malformed input). Returns the
@@ -146,15 +344,10 @@ class Client:
         """What any producer does: store a dramatiq message, push its id on the queue, ring the
         doorbell; and a turn for an existing conversation takes its place in that conversation's
         line now, so that turns run in the order they were submitted. Returns the message id."""
-        target, mid, data = build_message(queue, actor, args, message_id=message_id or uuid.uuid4().hex,
-                                          now_ms=int(time.time() * 1000))
-        # only ids that name keys of their own take a place in a line (workers refuse the others)
-        register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))
-        line = self.keys.turn_queue(conversation_id if register and conversation_id else "-")
-        turn = self.keys.turn(turn_id if register and turn_id else "-")
-        self._submit(keys=[self.keys.queue_messages(target), self.keys.queue(target), line, turn],
-                     args=[lua.payload(message_id=mid, turn_id=turn_id if register else "",
-                                           channel=self.keys.doorbell_channel(), queue=target), data])
+        mid, keys, argv = submit_call(self.keys, queue, actor, args, message_id=message_id or uuid.uuid4().hex,
+                                      conversation_id=conversation_id, turn_id=turn_id, owner=None,
+                                      now_ms=int(time.time() * 1000))
+        self._submit(keys=keys, args=argv)
         return mid
 
     def cancel(self, turn_id: str, reason: str = "") -> str:
@@ -183,30 +376,35 @@ class Client:
 
     def events(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,
                after: str = "0") -> Iterator[Event]:
-        """The turn's events in order; with `follow`, wait for new ones until the terminal event."""
-        from threadline.pipeline import events as ev
+        """The turn's events in order after the stream entry id `after`; with `follow`, wait for new
+        ones until the terminal event."""
+        for _, event in self.entries(turn_id, follow=follow, timeout_s=timeout_s, after=after):
+            yield event
 
+    def entries(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,
+                after: str = "0") -> Iterator[tuple[str, Event]]:
+        """`events` with each event's stream entry id, the id to resume after."""
         key = self.keys.events(turn_id)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            block = None
-            if follow:
-                remaining = 1.0 if deadline is None else deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"turn {turn_id} did not finish in {timeout_s} s")
-                block = max(1, int(min(remaining, 1.0) * 1000))
-            reply: Any = self.redis.xread({key: after}, block=block, count=500)
-            entries = reply[0][1] if reply else []
-            for entry_id, fields in entries:
-                after = _text(entry_id)
-                event = ev.decode(fields[b"json"])
-                yield event
-                if event.type in ev.TERMINAL_TYPES:
+            block = read_block_ms(turn_id, follow=follow, deadline=deadline, timeout_s=timeout_s)
+            found = stream_entries(self.redis.xread({key: after}, block=block, count=500))
+            for after, event in found:
+                yield after, event
+                if event.type in TERMINAL_EVENT_TYPES:
                     return
-            if not follow and not entries:
+            if not follow and not found:
                 return
 
-    def wait(self, turn_id: str, timeout_s: float = 60.0) -> Terminal:
+    def terminal(self, turn_id: str) -> Terminal | None:
+        """The turn's terminal event, None while it has not ended (or is unknown); never waits."""
+        from threadline.pipeline import events as ev
+
+        last: Any = self.redis.xrevrange(self.keys.events(turn_id), count=1)
+        event = ev.decode(last[0][1][b"json"]) if last else None
+        return event if isinstance(event, ev.Terminal) else None
+
+    def wait(self, turn_id: str, timeout_s: float | None = 60.0) -> Terminal:
         """Block until the turn's terminal event and return it."""
         from threadline.pipeline.events import Terminal
 
@@ -238,6 +436,33 @@ class Client:
 
         fields = text_map(self.redis.hgetall(self.keys.conversation(conversation_id)))
         return conversation_from_hash(conversation_id, fields)
+
+    def conversations(self, tenant_id: str, *, limit: int = 50, offset: int = 0) -> list[ConversationRecord]:
+        """The tenant's conversations, the most recently active first. Ids whose conversation is gone
+        (deleted, expired) leave the index as they are met."""
+        from .schema import conversation_from_hash, text_map
+
+        index = self.keys.tenant_conversations(tenant_id)
+        ids = [_text(cast(bytes, c)) for c in self.redis.zrevrange(index, offset, offset + limit - 1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for cid in ids:
+            pipe.hgetall(self.keys.conversation(cid))
+        found: list[ConversationRecord] = []
+        for cid, fields in zip(ids, pipe.execute(), strict=True):
+            record = conversation_from_hash(cid, text_map(fields))
+            if record is None or record.tenant_id != tenant_id:
+                self.redis.zrem(index, cid)
+            else:
+                found.append(record)
+        return found
+
+    def conversation_decisions(self, conversation_id: str) -> dict[str, dict[str, Any]]:
+        """Every decision record of a conversation: turn id -> stage -> record."""
+        out: dict[str, dict[str, Any]] = {}
+        for field, value in self.redis.hscan_iter(self.keys.decisions(conversation_id), count=500):
+            turn_id, _, stage = _text(cast(bytes, field)).rpartition(":")
+            out.setdefault(turn_id, {})[stage] = json.loads(value)
+        return out
 
     def messages(self, conversation_id: str) -> list[MessageRecord]:
         from threadline.pipeline.records import MessageRecord

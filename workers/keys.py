@@ -103,6 +103,15 @@ class Keys:
         """String: set once the conversations stored before retention was on entered `activity`."""
         return f"{self.prefix}:activity:backfilled"
 
+    def tenant_conversations(self, tenant_id: str) -> str:
+        """Sorted set: the tenant's conversation ids scored by their last accepted turn (advance.lua
+        writes it with the conversation's own tenant); listing drops ids whose conversation is gone."""
+        return f"{self.prefix}:tenant:{tenant_id}:convs"
+
+    def api_keys(self) -> str:
+        """Hash: sha256 of an API key (hex) -> its tenant and role (JSON); keys themselves are never stored."""
+        return f"{self.prefix}:apikeys"
+
     def model_limit(self, agent_id: str) -> str:
         """Sorted set: the holders of the agent's model slots (`model.max_concurrency`), each a token
         scored by its lease's expiry (ms, server time); an expired holder's worker died."""
@@ -134,8 +143,25 @@ class Keys:
                 self.cancel_flag(turn_id), self.model_claim(turn_id))
 
     def running(self) -> str:
-        """Sorted set: turns between admission and their end, scored by their last progress."""
+        """Sorted set: turns between admission and their end, scored by when the watchdog should look
+        at them next (their last progress, or its last look)."""
         return f"{self.prefix}:running"
+
+    # --- worker processes ---------------------------------------------------------------------
+    def worker(self, worker_id: str) -> str:
+        """String: a live worker process's heartbeat (JSON: pid, host, broker id, queues, since);
+        expires `TL_WORKER_TIMEOUT_S` after its last renewal."""
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def worker_turns(self, worker_id: str) -> str:
+        """Set: the turns a worker process runs a stage of now, rewritten with every heartbeat (and
+        expiring with it): the watchdog takes over a running turn that is in no live worker's set."""
+        return f"{self.prefix}:worker:{worker_id}:turns"
+
+    def workers(self) -> str:
+        """Hash: worker id -> its dramatiq broker id, for every worker process not yet reaped: when
+        its heartbeat is gone, the watchdog puts the messages it had fetched back on their queues."""
+        return f"{self.prefix}:workers"
 
     def usage(self, tenant_id: str) -> str:
         """Hash: token and request counters per tenant, each turn counted once."""

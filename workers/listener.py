@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import redis
 import structlog
 
+if TYPE_CHECKING:
+    from .broker import Reachability
+
 log = structlog.get_logger(__name__)
+#: The longest wait before resubscribing: the doorbell and cancels should be back soon after Redis is.
+MAX_BACKOFF_S = 5.0
 
 Handler = Callable[[str], None]
 
 
 class Listener:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, reachability: Reachability | None = None) -> None:
         self._url = url
+        self._reachability = reachability
         self._handlers: dict[str, list[Handler]] = {}
         self._reconnect_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -53,10 +60,13 @@ class Listener:
                 self._listen()
                 backoff = 0.1
             except (redis.RedisError, OSError) as e:
-                log.warning("listener_disconnected", error=str(e), retry_in_s=backoff)
+                if self._reachability is not None:
+                    backoff = min(self._reachability.failed("listener", e), MAX_BACKOFF_S)
+                else:
+                    log.warning("listener_disconnected", error=str(e), retry_in_s=backoff)
                 self._notify_reconnect()
                 self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def _listen(self) -> None:
         client = redis.Redis.from_url(self._url, socket_connect_timeout=2)
@@ -75,6 +85,8 @@ class Listener:
                 if message["type"] == "subscribe" and message["data"] == len(subscribed):
                     # Confirmed: anything published from now on reaches us; ring everyone once so
                     # that what was enqueued while we were away is fetched now.
+                    if self._reachability is not None:
+                        self._reachability.ok("listener")
                     self._notify_reconnect()
                 elif message["type"] == "message":
                     self._dispatch(message["channel"].decode(), message["data"].decode())

@@ -19,6 +19,7 @@ import structlog
 from threadline.pipeline.redact import MASK, MIN_SECRET_CHARS, is_secret_name, redact, redact_value
 
 from .settings import Settings
+from .tracing import add_trace_ids
 
 _ELIDED = "<message content elided>"
 #: Argument strings shorter than this are not scrubbed out of tracebacks: ids and names, not text.
@@ -86,6 +87,18 @@ class ContentFreeMessages(logging.Filter):
         return True
 
 
+class QuietReconnects(logging.Filter):
+    """Drops dramatiq's lines about a consumer that lost Redis (a `critical` per consumer per try,
+    and its "Restarting consumer" line): `broker.Reachability` tells that story once instead, and
+    the consumers retry with backoff."""
+
+    _PREFIXES = ("Consumer encountered a connection error", "Restarting consumer in")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("dramatiq.worker.ConsumerThread")
+                    and isinstance(record.msg, str) and record.msg.startswith(self._PREFIXES))
+
+
 def _content_free(arg: object, from_dramatiq: bool) -> object:
     if isinstance(arg, dramatiq.Message | dramatiq.MessageProxy):
         return _Label(f"{arg.actor_name}(message_id={arg.message_id!r})")
@@ -140,6 +153,7 @@ def configure_logging(settings: Settings, *, stream: IO[str] | None = None) -> N
             add_secret(value)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        add_trace_ids,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -157,6 +171,7 @@ def configure_logging(settings: Settings, *, stream: IO[str] | None = None) -> N
     )
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.addFilter(ContentFreeMessages())
+    handler.addFilter(QuietReconnects())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[*shared, _scrubbed_traceback],

@@ -22,13 +22,13 @@ from typing import Any, Literal
 ScriptName = Literal[
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
     "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
-    "delete_conversation", "dead_letter_replay", "dead_letter_purge",
+    "delete_conversation", "dead_letter_replay", "dead_letter_purge", "heartbeat", "reap",
 ]
-#: The scripts of the turn state machine (the broker's `dead_letter`, the agent registry's `agent_*`
-#: and the operations' `dead_letter_*` are registered by their consumers).
+#: The scripts of the turn state machine (the broker's `dead_letter`, the agent registry's `agent_*`,
+#: the operations' `dead_letter_*` and a worker's `heartbeat` are registered by their consumers).
 SCRIPT_NAMES: tuple[ScriptName, ...] = (
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release",
-    "slot_acquire", "slot_renew", "slot_release", "delete_conversation",
+    "slot_acquire", "slot_renew", "slot_release", "delete_conversation", "reap",
 )
 
 

@@ -51,6 +51,7 @@ from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
 from threadline.pipeline.stages import Stage, StageInput
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
 
+from . import metrics, tracing
 from .control import CANCEL_ACTOR, CONTROL_QUEUE
 from .limiter import limited_model, turn_limiter
 from .loaders import LOADERS
@@ -115,11 +116,12 @@ async def _start(rt: Runtime, stage: Stage, env: Envelope, *, claim: str = "") -
     t0 = time.perf_counter()
     started = events.StageEvent(turn_id=env.turn_id, stage=stage.name, status="started")
     begin = await rt.store.begin(env.turn_id, stage.name, now=rt.now(), interrupts=stage.kind != "finish",
-                                 claim=claim, started=started, attempt_hint=env.attempt)
+                                 claim=claim, started=started, attempt_hint=env.attempt, holder=rt.worker_id)
     if await _stopped(rt, begin, env.turn_id, stage):
         return None
     turn = ResolvedTurn.model_validate_json(begin.admitted, context=TRUSTED)
     structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
+    tracing.annotate(conversation_id=turn.conversation_id, attempt=begin.attempt)
     return Started(env, begin, turn, t0)
 
 
@@ -167,6 +169,7 @@ async def run_model(rt: Runtime, stage: Stage, envelope: object) -> None:
                 await _answer_without_model(rt, stage, s)
             else:
                 await _call_model(rt, stage, s, token)
+                await _cancel_observed(rt, env.turn_id, token)
         except Exception:
             # dramatiq retries this message: its next delivery must not find our claim and stand down
             await rt.store.release_claim(env.turn_id, rt.worker_id)
@@ -189,6 +192,13 @@ async def _claim_heartbeat(rt: Runtime, turn_id: str) -> AsyncIterator[None]:
         yield
     finally:
         task.cancel()
+
+
+async def _cancel_observed(rt: Runtime, turn_id: str, token: CancellationToken) -> None:
+    """The cancel latency metric: from the cancel request to here, where the cancelled run has ended."""
+    if token.cancelled:
+        now = rt.now()
+        metrics.cancel_closed((await rt.store.turn_state(turn_id)).cancel_requested_at, now=now)
 
 
 async def _answer_without_model(rt: Runtime, stage: Stage, s: Started) -> None:
@@ -221,7 +231,11 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
                                  model=limited_model(agent, limiter))
     log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump(),
              truncated_parts=outcome.truncated_parts, model=outcome.model, fallback_from=outcome.fallback_from)
-    delay_s = retry_delay_s(outcome, attempt=attempt, max_attempts=rt.settings.max_invoke_attempts)
+    if outcome.status == "cancelled" and rt.handing_over(turn_id):
+        await _hand_back(rt, stage, s)
+        return
+    # attempts a stopping worker handed over are not failed ones
+    delay_s = retry_delay_s(outcome, attempt=attempt - s.begin.handovers, max_attempts=rt.settings.max_invoke_attempts)
     if delay_s is None:
         decision = invoke_decision(outcome, limit_wait_s=limiter.waited_s if limiter else None)
         await _hand_over(rt, stage, s, outcome.model_dump_json(), decision)
@@ -233,6 +247,18 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
                          event=events.Retrying(turn_id=turn_id, attempt=attempt + 1, reason=reason),
                          claim=rt.worker_id)
     log.info("model_retry_scheduled", delay_s=delay_s, reason=reason)
+
+
+async def _hand_back(rt: Runtime, stage: Stage, s: Started) -> None:
+    """This worker is shutting down and cancelled the run: the same stage goes back on its queue at
+    once, as the next attempt (not a failed one), for another worker to run from the start."""
+    turn_id, attempt = s.env.turn_id, s.begin.attempt
+    arg = Envelope(turn_id=turn_id, stage=stage.name, attempt=attempt + 1).model_dump()
+    reason = "handover: the worker running it is shutting down"
+    write = await rt.store.retry(turn_id, next_=Next(stage.name, arg, rt.new_id()), now=rt.now(), now_ms=rt.now_ms(),
+                                 event=events.Retrying(turn_id=turn_id, attempt=attempt + 1, reason=reason),
+                                 claim=rt.worker_id, handover=True)
+    log.warning("turn_handed_over", attempt=attempt, write=write)
 
 
 # --- finish ---------------------------------------------------------------------------------------
@@ -259,6 +285,8 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
         now=rt.now(),
     )
     log.info("persisted", status=outcome.status, write=result, snapshot=outcome.snapshot is not None)
+    metrics.turn_ended(terminal, write=result, turn=turn)
+    tracing.turn_ended(terminal, write=result, turn=turn, now=rt.now())
     if turn.config.memory.compaction is not None:
         # after the turn, off its critical path: the turns its window dropped get summarised
         for after in rt.graph.of_kind("compaction"):
@@ -370,9 +398,10 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
     if admission != "admitted":
         log.info("turn_not_admitted", admission=admission, behind=ahead)
         return
-    begin = await rt.store.begin(turn_id, stage.name, now=rt.now())
+    begin = await rt.store.begin(turn_id, stage.name, now=rt.now(), holder=rt.worker_id)
     if await _stopped(rt, begin, turn_id, stage):
         return
+    tracing.annotate(conversation_id=cid, attempt=begin.attempt)
     try:
         if resolved is None or req.conversation_id is not None:
             # the conversation may have changed (or been created) while this turn waited

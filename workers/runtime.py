@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 
 import structlog
 
@@ -26,6 +27,7 @@ from threadline.pipeline.persist import final_row
 from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.stages import StageGraph
 
+from . import metrics, tracing
 from .control import CancelRegistry
 from .logs import add_secret
 from .models import build_model, build_tools, model_secrets
@@ -44,6 +46,39 @@ class Runtime:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._agents: dict[str, TurnAgent] = {}
         self._agents_lock = threading.Lock()
+        #: Turns this process runs a stage of now (its heartbeat lists them), and those whose model
+        #: run it cancelled to hand them to another worker (it is stopping).
+        self._held: Counter[str] = Counter()
+        self._handing_over: set[str] = set()
+        self._held_lock = threading.Lock()
+
+    def hold(self, turn_id: str) -> None:
+        with self._held_lock:
+            self._held[turn_id] += 1
+
+    def let_go(self, turn_id: str) -> None:
+        with self._held_lock:
+            self._held[turn_id] -= 1
+            if self._held[turn_id] <= 0:
+                del self._held[turn_id]
+
+    def held(self) -> list[str]:
+        with self._held_lock:
+            return list(self._held)
+
+    def hand_over_all(self) -> list[str]:
+        """Stop every model run of this process, so that each hands its turn to another worker (the
+        runner sees `handing_over` and re-enqueues the stage instead of ending the turn)."""
+        turns = self.registry.running()
+        with self._held_lock:
+            self._handing_over.update(turns)
+        for turn_id in turns:
+            self.registry.cancel(turn_id)
+        return turns
+
+    def handing_over(self, turn_id: str) -> bool:
+        with self._held_lock:
+            return turn_id in self._handing_over
 
     def agent(self, spec: ModelSpec, tools: list[str]) -> TurnAgent:
         """Agents (their models and HTTP clients too) are built from config on first use and reused."""
@@ -112,6 +147,8 @@ class Runtime:
             now=self.now(),
         )
         log.info("turn_ended", status=status, code=code, reason=message, write=result)
+        metrics.turn_ended(event, write=result, turn=accepted)
+        tracing.turn_ended(event, write=result, turn=accepted, now=self.now())
         return result
 
 

@@ -81,8 +81,11 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_CANCEL_TTL_S", "lifetime of a cancel flag (default 86400)"),
     ("TL_DEBOUNCE_MS", "text deltas are batched this long (default 75)"),
     ("TL_INVOKE_LEASE_S", "the model claim's lifetime (default 30)"),
-    ("TL_STALL_S", "a turn without progress this long runs again (default 60)"),
-    ("TL_WATCHDOG_S", "how often the watchdog looks (default 10)"),
+    ("TL_STALL_S", "a turn no worker holds that made no progress this long runs again (default 60)"),
+    ("TL_WATCHDOG_S", "how often the watchdog looks (default 2)"),
+    ("TL_HEARTBEAT_S", "how often a worker process tells Redis it is alive (default 2)"),
+    ("TL_WORKER_TIMEOUT_S", "a worker silent this long is dead: its turns and messages move on (default 10)"),
+    ("TL_SHUTDOWN_GRACE_S", "on SIGTERM, how long running stages may take to finish (default 5)"),
     ("TL_RETENTION_DAYS", "delete conversations idle longer than this (default 0: keep)"),
     ("TL_MAX_RECOVERIES", "times a stalled turn runs again before it fails (default 3)"),
     ("TL_MAX_INVOKE_ATTEMPTS", "attempts of a model call that fails transiently (default 3)"),
@@ -90,6 +93,8 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_ALLOW_PYTHON_PLUGINS", "1: allow python:module:function models and tools"),
     ("TL_KEY_ENV_ALLOW", "comma-separated: the variables workers may read model keys from"),
     ("TL_BASE_URL_ALLOW", "comma-separated URL prefixes a conventional key may be sent to"),
+    ("TL_METRICS_PORT", "`threadline worker` serves /metrics, /healthz and /livez on this port (default 0: off)"),
+    ("TL_TRACING", "1: OpenTelemetry spans per turn and stage (also on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
 )
 
 
@@ -121,9 +126,18 @@ class Settings:
     cancel_ttl_s: int = 86_400
     debounce_ms: int = 75
     invoke_lease_s: float = 30.0
-    #: A turn with no progress (and no live invoke claim) for this long is enqueued again.
+    #: A turn that no live worker holds (its next stage's message waits in a queue, or was lost) and
+    #: that made no progress for this long is enqueued again; a turn whose worker died is taken over
+    #: after `worker_timeout_s` instead.
     stall_s: float = 60.0
-    watchdog_s: float = 10.0
+    watchdog_s: float = 2.0
+    #: Every worker process renews its heartbeat (and the list of turns it runs) this often ...
+    heartbeat_s: float = 2.0
+    #: ... and is dead once its heartbeat is this old: the watchdog takes over its turns and puts the
+    #: messages it had fetched back on their queues.
+    worker_timeout_s: float = 10.0
+    #: On SIGTERM: model calls are handed to another worker at once; other stages get this long.
+    shutdown_grace_s: float = 5.0
     #: Conversations idle (no turn admitted or ended) longer than this many days are deleted by the
     #: watchdog; 0 keeps them forever (and keeps no activity index).
     retention_days: float = 0.0
@@ -137,6 +151,10 @@ class Settings:
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
     #: The key variables configs may name and the URLs a conventional key may go to.
     policy: ModelPolicy = field(default_factory=ModelPolicy)
+    #: `threadline worker` serves /metrics, /healthz and /livez on this port; 0: no endpoint.
+    metrics_port: int = 0
+    #: OpenTelemetry spans per turn and stage, exported over OTLP (`workers/tracing.py`).
+    tracing: bool = False
 
     @property
     def broker_namespace(self) -> str:
@@ -176,7 +194,10 @@ class Settings:
             debounce_ms=_int(env, "TL_DEBOUNCE_MS", 75),
             invoke_lease_s=_float(env, "TL_INVOKE_LEASE_S", 30.0),
             stall_s=_float(env, "TL_STALL_S", 60.0),
-            watchdog_s=_float(env, "TL_WATCHDOG_S", 10.0),
+            watchdog_s=_float(env, "TL_WATCHDOG_S", 2.0),
+            heartbeat_s=_float(env, "TL_HEARTBEAT_S", 2.0),
+            worker_timeout_s=_float(env, "TL_WORKER_TIMEOUT_S", 10.0),
+            shutdown_grace_s=_float(env, "TL_SHUTDOWN_GRACE_S", 5.0),
             retention_days=max(0.0, _float(env, "TL_RETENTION_DAYS", 0.0, positive=False)),
             max_recoveries=_int(env, "TL_MAX_RECOVERIES", 3),
             max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3, minimum=1),
@@ -184,4 +205,6 @@ class Settings:
             allow_python_models=env.get("TL_ALLOW_PYTHON_PLUGINS", "") in ("1", "true", "yes"),
             secrets=dict(env),
             policy=model_policy(env),
+            metrics_port=_int(env, "TL_METRICS_PORT", 0),
+            tracing=env.get("TL_TRACING", "") in ("1", "true", "yes") or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
         )

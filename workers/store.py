@@ -54,6 +54,27 @@ class Begin:
     fence: str = ""
     deadline_at: float | None = None
     terminal_status: str = ""
+    #: Model attempts handed to another worker by a shutting-down one: not failed attempts.
+    handovers: int = 0
+
+
+StallVerdict = Literal["gone", "alive", "waiting", "exhausted", "stalled"]
+StallReason = Literal["worker_lost", "claim_lapsed", "no_progress", ""]
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """The watchdog's look at a turn (stalled.lua): `stalled` → enqueue `stage` again, `exhausted` →
+    end the turn; `why` says what gave the turn away."""
+
+    verdict: StallVerdict
+    stage: str = ""
+    attempt: int = 1
+    #: The kept request (to run the first stage again).
+    request: str = ""
+    why: StallReason = ""
+    #: The worker that held the turn, if one did.
+    holder: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +194,10 @@ class Store:
 
     async def begin(
         self, turn_id: str, stage: str, *, now: float, interrupts: bool = True, claim: str = "",
-        started: events.StageEvent | None = None, attempt_hint: int = 1,
+        started: events.StageEvent | None = None, attempt_hint: int = 1, holder: str = "",
     ) -> Begin:
-        """Start `stage`: its inputs when it may run, else why not. `claim` takes the model claim."""
+        """Start `stage`: its inputs when it may run, else why not. `claim` takes the model claim;
+        `holder` (the worker's id) names who runs the stage, for the watchdog."""
         k = self.keys
         previous = self.graph.previous(stage).name if stage != self.graph.first.name else stage
         redelivered = events.Retrying(turn_id=turn_id, attempt=attempt_hint,
@@ -184,7 +206,7 @@ class Store:
             "begin",
             [k.turn(turn_id), k.events(turn_id), k.cancel_flag(turn_id), k.artifact(turn_id, self.graph.first.name),
              k.artifact(turn_id, previous), k.model_claim(turn_id), k.running()],
-            lua.payload(stage=stage, turn_id=turn_id, now=now, interrupts=interrupts, claim=claim,
+            lua.payload(stage=stage, turn_id=turn_id, now=now, interrupts=interrupts, claim=claim, holder=holder,
                             claim_ttl_ms=int(self.settings.invoke_lease_s * 1000),
                             started=events.encode(started, numbered_by_store=True) if started else "",
                             redelivered=events.encode(redelivered, numbered_by_store=True)),
@@ -192,9 +214,10 @@ class Store:
         status = cast(BeginStatus, text(reply[0]))
         if status != "go":
             return Begin(status=status, terminal_status=text(reply[1]) if len(reply) > 1 else "")
-        attempt, admitted, prev, conversation_id, fence, deadline = (text(r) for r in reply[1:])
+        attempt, admitted, prev, conversation_id, fence, deadline, handovers = (text(r) for r in reply[1:])
         return Begin(status="go", attempt=int(attempt), admitted=admitted, previous=prev,
-                     conversation_id=conversation_id, fence=fence, deadline_at=float(deadline) if deadline else None)
+                     conversation_id=conversation_id, fence=fence, deadline_at=float(deadline) if deadline else None,
+                     handovers=int(handovers))
 
     async def advance(
         self, turn_id: str, stage: str, *, next_: Next, now: float, now_ms: int, artifact: str,
@@ -210,6 +233,7 @@ class Store:
         row = ""
         if accept is not None:
             fields["accept"] = {"conversation": conversation_to_hash(accept.conversation),
+                                "conversation_id": accept.conversation.id,
                                 "deadline_at": repr(accept.deadline_at), "message_id": accept.row.id}
             row = accept.row.model_dump_json()
         if decision:
@@ -218,7 +242,7 @@ class Store:
             "advance",
             [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, stage), k.running(), k.lease(cid),
              k.conversation(cid), k.messages(cid), k.message_order(cid), k.queue_messages(queue), k.queue(queue),
-             k.decisions(cid)],
+             k.decisions(cid), k.tenant_conversations(accept.conversation.tenant_id if accept else "-")],
             lua.payload(stage=stage, turn_id=turn_id, fence=fence, now=now,
                             artifact_ttl_ms=self.settings.artifact_ttl_s * 1000, next_id=message_id,
                             next_queue=queue, channel=k.doorbell_channel(),
@@ -228,9 +252,10 @@ class Store:
         return text(reply)
 
     async def retry(self, turn_id: str, *, next_: Next, now: float, now_ms: int, event: events.Retrying,
-                    claim: str) -> str:
+                    claim: str, handover: bool = False) -> str:
         """Schedule the next attempt of a stage (a delayed message), announced by `event`; "stale"
-        when another worker holds the model claim now."""
+        when another worker holds the model claim now. A `handover` (no delay: the worker is stopping)
+        does not count as a failed attempt."""
         k = self.keys
         queue, message_id, data = self._message(next_, now_ms)
         reply = await self._run(
@@ -238,7 +263,8 @@ class Store:
             [k.turn(turn_id), k.events(turn_id), k.model_claim(turn_id), k.running(), k.queue_messages(queue),
              k.queue(queue)],
             lua.payload(turn_id=turn_id, now=now, message_id=message_id, queue=queue,
-                            channel=k.doorbell_channel(), event=events.encode(event), claim=claim),
+                            channel=k.doorbell_channel(), event=events.encode(event), claim=claim,
+                            handover=handover),
             data,
         )
         return text(reply)
@@ -267,20 +293,37 @@ class Store:
         )
         return text(reply[0])
 
-    async def stalled(self, turn_id: str, *, now: float, max_recoveries: int) -> tuple[str, str, int, str]:
-        """The watchdog's look at a turn without progress: (verdict, stage, attempt, kept request)."""
-        k = self.keys
-        cid = text(await self.redis.hget(k.turn(turn_id), "conversation_id") or b"-")
+    async def stalled(self, turn_id: str, *, now: float, max_recoveries: int, stall_s: float | None = None,
+                      recheck_s: float | None = None) -> Stall:
+        """The watchdog's look at a turn it has not looked at for a while; see stalled.lua."""
+        k, settings = self.keys, self.settings
+        cid, holder = (text(v or b"") for v in await self.redis.hmget(k.turn(turn_id), "conversation_id", "holder"))
         reply = await self._run(
-            "stalled", [k.turn(turn_id), k.model_claim(turn_id), k.running(), k.waiting(cid)],
+            "stalled", [k.turn(turn_id), k.model_claim(turn_id), k.running(), k.waiting(cid or "-"),
+                        k.worker_turns(holder or "-")],
             lua.payload(turn_id=turn_id, now=now, stages=[s.name for s in self.graph.turn_stages],
-                        max_recoveries=max_recoveries),
+                        model_stages=[s.name for s in self.graph.of_kind("model")], max_recoveries=max_recoveries,
+                        holder=holder, stall_s=settings.stall_s if stall_s is None else stall_s,
+                        recheck_s=settings.worker_timeout_s if recheck_s is None else recheck_s),
         )
-        verdict = text(reply[0])
-        stage = text(reply[1]) if len(reply) > 1 else ""
-        attempt = int(text(reply[2])) if len(reply) > 2 else 1
-        request = text(reply[3]) if len(reply) > 3 else ""
-        return verdict, stage, attempt, request
+        verdict = cast(StallVerdict, text(reply[0]))
+        if verdict == "exhausted":
+            return Stall(verdict, stage=text(reply[1]), why=cast(StallReason, text(reply[2])), holder=holder)
+        if verdict != "stalled":
+            return Stall(verdict)
+        return Stall(verdict, stage=text(reply[1]), attempt=int(text(reply[2])), request=text(reply[3]),
+                     why=cast(StallReason, text(reply[4])), holder=holder)
+
+    async def reap(self, worker_id: str, broker_id: str, queues: Sequence[str]) -> int:
+        """Put back what a worker whose heartbeat is gone had fetched (see reap.lua): how many
+        messages, or -1 when it is alive after all."""
+        k = self.keys
+        triples = [key for q in queues for key in (k.acks(broker_id, q), k.queue_messages(q), k.queue(q))]
+        reply = await self._run(
+            "reap", [k.workers(), k.worker(worker_id), k.heartbeats(), *triples],
+            lua.payload(worker_id=worker_id, broker_id=broker_id, channel=k.doorbell_channel(), queues=list(queues)),
+        )
+        return int(reply)
 
     async def enqueue(self, queue: str, message_id: str, data: bytes) -> None:
         """Enqueue a ready dramatiq message (as any producer does) and ring the doorbell."""

@@ -2,11 +2,18 @@
 
 dramatiq redelivers a dead worker's message only after its heartbeat timeout plus a random
 maintenance pass (minutes, up to ~25 min measured), and a conversation waits behind its turn all
-that time. Each worker process therefore looks, every `watchdog_s`, at turns that made no progress
-for `stall_s`: a turn with a live model claim is running; any other gets its first unfinished stage
-enqueued again — at most `max_recoveries` times, after which the turn ends `failed` instead of
-being run again forever. Every stage is idempotent, so the duplicate that dramatiq may still
-deliver later, or a message that was only waiting in a long queue, changes nothing.
+that time. Each worker process therefore looks, every `watchdog_s`:
+
+- at the worker processes whose heartbeat is gone (`middleware/liveness.py`): the messages they had
+  fetched and not acked go back on their queues at once (`reap`);
+- at running turns it has not looked at for `worker_timeout_s` (stalled.lua): a turn whose holder's
+  heartbeat still lists it is alive, however long its model streams; one whose holder is gone is
+  taken over at once; one nobody holds (its next message waits in a queue, or was lost) after
+  `stall_s` without progress. Taking over enqueues its first unfinished stage again — at most
+  `max_recoveries` times, after which the turn ends `failed` instead of being run again forever.
+
+Every stage is idempotent, so the duplicate that dramatiq may still deliver later, or a message that
+was only waiting in a long queue, changes nothing.
 
 The same loop enforces retention (`TL_RETENTION_DAYS`): conversations whose last activity (the
 `activity` index, kept by admit.lua and finish.lua) is older are deleted through the delete script,
@@ -16,17 +23,24 @@ a batch at a time; one with a turn running or waiting is skipped until it is idl
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+import time
+from typing import TYPE_CHECKING, cast
 
 import redis
 import structlog
+from dramatiq.common import dq_name
 
 from threadline.pipeline.contracts import Envelope
 from threadline.pipeline.records import MessageRecord
 
+from . import metrics
+from .control import CONTROL_QUEUE
 from .runtime import Runtime
 from .schema import text
 from .store import with_message_id
+
+if TYPE_CHECKING:
+    from .broker import Reachability
 
 log = structlog.get_logger(__name__)
 #: Conversations read from the activity index per round trip, and looked at per pass at most.
@@ -35,35 +49,78 @@ EXPIRE_MAX = 200
 
 
 class Watchdog:
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, *, reachability: Reachability | None = None) -> None:
         self.rt = runtime
+        self.reachability = reachability
+        self._outage = False
+        self._settle_until = 0.0
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.rt.settings.watchdog_s)
             try:
-                await self.sweep(self.rt.now())
+                if self._outage:
+                    # After an outage every heartbeat has run out: wait until the live processes
+                    # have beaten again before taking anything of theirs over.
+                    await self.rt.store.redis.ping()
+                    self._outage = False
+                    self._settle_until = time.monotonic() + 2 * self.rt.settings.heartbeat_s
+                if time.monotonic() >= self._settle_until:
+                    await self.reap()
+                    await self.sweep(self.rt.now())
                 if self.rt.settings.retention_days > 0:
                     await self.backfill_activity()
                     await self.expire(self.rt.now())
             except redis.RedisError as e:
-                log.warning("watchdog_sweep_failed", error=str(e))
+                self._outage = True
+                if self.reachability is None:
+                    log.warning("watchdog_sweep_failed", error=str(e))
+                else:
+                    await asyncio.sleep(self.reachability.failed("watchdog", e))
+            else:
+                if self.reachability is not None:
+                    self.reachability.ok("watchdog")
+
+    def queues(self) -> list[str]:
+        """Every queue a worker may have fetched from, delay queues included."""
+        names = [*(s.queue for s in self.rt.graph), CONTROL_QUEUE]
+        return [q for name in names for q in (name, dq_name(name))]
+
+    async def reap(self) -> int:
+        """Put back the messages fetched by worker processes whose heartbeat is gone; returns how many."""
+        store, k = self.rt.store, self.rt.store.keys
+        registry = cast(dict[bytes, bytes], await store.redis.hgetall(k.workers()))
+        if not registry:
+            return 0
+        ids = [text(w) for w in registry]
+        beats = cast(list[bytes | None], await store.redis.mget([k.worker(w) for w in ids]))
+        requeued = 0
+        for worker_id, broker_id, beat in zip(ids, registry.values(), beats, strict=True):
+            if beat is not None:
+                continue
+            moved = await store.reap(worker_id, text(broker_id), self.queues())
+            if moved >= 0:
+                log.warning("worker_reaped", worker_id=worker_id, messages_requeued=moved)
+                requeued += moved
+        return requeued
 
     async def sweep(self, now: float) -> int:
-        """Enqueue again the next stage of every stalled turn; returns how many were."""
-        rt, store = self.rt, self.rt.store
-        stalled = cast(list[bytes], await store.redis.zrangebyscore(
-            store.keys.running(), "-inf", now - rt.settings.stall_s, start=0, num=100))
+        """Enqueue again the next stage of every turn that is no longer running anywhere; returns how
+        many were."""
+        rt, store, settings = self.rt, self.rt.store, self.rt.settings
+        due = now - min(settings.worker_timeout_s, settings.stall_s)
+        running = store.keys.running()
+        stalled = cast(list[bytes], await store.redis.zrangebyscore(running, "-inf", due, start=0, num=100))
         recovered = 0
         for raw in stalled:
             turn_id = text(raw)
-            verdict, stage, attempt, request = await store.stalled(turn_id, now=now,
-                                                                   max_recoveries=rt.settings.max_recoveries)
-            if verdict == "exhausted":
+            look = await store.stalled(turn_id, now=now, max_recoveries=settings.max_recoveries)
+            stage, attempt, request = look.stage, look.attempt, look.request
+            if look.verdict == "exhausted":
                 await rt.end_turn(turn_id, "failed", code="internal_error",
-                                  message=f"the turn stalled at {stage} more than {rt.settings.max_recoveries} times")
+                                  message=f"the turn stalled at {stage} more than {settings.max_recoveries} times")
                 continue
-            if verdict != "stalled":
+            if look.verdict != "stalled":
                 continue
             message_id = f"recover.{turn_id}.{rt.new_id()[:8]}"
             if stage == rt.graph.first.name:
@@ -73,7 +130,9 @@ class Watchdog:
             else:
                 arg = Envelope(turn_id=turn_id, stage=stage, attempt=attempt).model_dump()
                 await store.enqueue_stage(stage, arg, message_id=message_id, now_ms=rt.now_ms())
-            log.warning("stalled_turn_requeued", turn_id=turn_id, stage=stage, stalled_s=rt.settings.stall_s)
+            log.warning("stalled_turn_requeued", turn_id=turn_id, stage=stage, why=look.why, holder=look.holder or None,
+                        attempt=attempt)
+            metrics.TAKEOVERS.labels(stage).inc()
             recovered += 1
         return recovered
 

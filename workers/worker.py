@@ -2,7 +2,9 @@
 supervisor behind `threadline worker` that keeps N such processes alive.
 
 Unlike the dramatiq CLI, whose parent exits when one child dies, the supervisor restarts a child
-that dies and stops them all, gracefully, on SIGTERM/SIGINT.
+that dies (after 0.5 s, doubling up to 30 s while it keeps crashing) and stops them all on
+SIGTERM/SIGINT: each child hands its turns back (`middleware/liveness.py`) within
+`TL_SHUTDOWN_GRACE_S`, and the supervisor kills whatever is left a second after that.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dramatiq
 import structlog
@@ -24,13 +27,17 @@ from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
 
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 
+from . import tracing
 from .actors import declare_actors
 from .actors import queues as all_queues
 from .broker import DoorbellBroker
 from .logs import configure_logging
-from .middleware import Boot, GiveUp, LogContext
+from .middleware import Boot, GiveUp, Liveness, LogContext, Metrics, Tracing
 from .runtime import RuntimeRef
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer
 
 log = structlog.get_logger(__name__)
 
@@ -39,13 +46,16 @@ def create_broker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_G
     """The broker of one worker, with every middleware and the actors of `graph` declared on it."""
     ref = RuntimeRef()
     middleware = [
+        LogContext(),  # first: every other middleware's lines, and dramatiq's, carry the turn's context
         AgeLimit(),
         GiveUp(ref, admit_actor=graph.first.name),  # before Retries: its after-hook must run after Retries'
         Retries(max_retries=settings.max_retries, min_backoff=200, max_backoff=10_000),
         CurrentMessage(),
         AsyncIO(),
-        LogContext(),
+        Metrics(),
+        Tracing(admit_actor=graph.first.name),
         Boot(settings, url, graph, ref),
+        Liveness(settings, url, ref, admit_actor=graph.first.name),  # after Boot: it needs the runtime
     ]
     broker = DoorbellBroker(settings=settings, url=url, middleware=middleware,
                             slow_queues=frozenset(s.queue for s in graph.of_kind("model")))
@@ -71,6 +81,7 @@ def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GR
 def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: int | None = None) -> None:
     """Run one worker process until SIGTERM/SIGINT."""
     configure_logging(settings)
+    tracing.setup(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -78,24 +89,51 @@ def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: 
     log.info("worker_started", pid=os.getpid(), queues=sorted(queues or all_queues(DEFAULT_GRAPH)),
              threads=worker.worker_threads)
     stop.wait()
-    log.info("worker_stopping", pid=os.getpid())
-    worker.stop(timeout=10_000)
+    started = time.monotonic()
+    log.info("worker_stopping", pid=os.getpid(), grace_s=settings.shutdown_grace_s)
+    worker.stop(timeout=int(settings.shutdown_grace_s * 1000))
     broker.close()
+    log.info("worker_stopped", pid=os.getpid(), stop_s=round(time.monotonic() - started, 2))
+
+
+#: A crashing worker process is restarted after RESTART_MIN_S, twice as long after each crash that
+#: follows, up to RESTART_MAX_S; one that lived STABLE_S starts the count again.
+RESTART_MIN_S = 0.5
+RESTART_MAX_S = 30.0
+STABLE_S = 30.0
+#: The supervisor kills a worker process still running this long after its grace.
+KILL_MARGIN_S = 1.0
+
+
+def restart_delay_s(crashes: int) -> float:
+    """How long the supervisor waits before it restarts a worker process that crashed `crashes`
+    times in a row."""
+    return min(RESTART_MIN_S * 2.0 ** max(0, crashes - 1), RESTART_MAX_S)
 
 
 class Supervisor:
-    """Keeps `processes` worker processes running; restarts one that dies."""
+    """Keeps `processes` worker processes running; restarts one that dies, with backoff."""
 
     def __init__(self, url: str, *, processes: int, threads: int, queues: Sequence[str] = (),
-                 env: dict[str, str] | None = None, log_path: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, log_path: Path | None = None,
+                 grace_s: float | None = None) -> None:
         self.url = url
         self.processes = processes
         self.threads = threads
         self.queues = list(queues)
         self.env = {**os.environ, **(env or {}), "REDIS_URL": url}
+        #: What the children are given to hand their turns back on SIGTERM (their TL_SHUTDOWN_GRACE_S).
+        self.grace_s = Settings.from_env(self.env).shutdown_grace_s if grace_s is None else grace_s
         self.children: list[subprocess.Popen[bytes]] = []
+        #: Per child: when it started, its crashes in a row, when it is due to be restarted.
+        self._started: list[float] = []
+        self._crashes: list[int] = []
+        self._restart_at: list[float | None] = []
+        #: Every restart scheduled: (child index, delay in seconds).
+        self.restarts: list[tuple[int, float]] = []
         self.log_path = log_path
         self._stopping = False
+        self.metrics: MetricsServer | None = None
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "threadline.workers.worker", "--threads", str(self.threads)]
@@ -108,27 +146,68 @@ class Supervisor:
             return subprocess.Popen(command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT)
 
     def start(self) -> None:
+        self._serve_metrics()
         self.children = [self._spawn() for _ in range(self.processes)]
+        now = time.monotonic()
+        self._started = [now] * self.processes
+        self._crashes = [0] * self.processes
+        self._restart_at = [None] * self.processes
+
+    def _serve_metrics(self) -> None:
+        """With `TL_METRICS_PORT`: one endpoint for every worker process (`workers/metrics.py`), which
+        counts into the directory handed to it in its environment."""
+        settings = Settings.from_env(self.env)
+        if not settings.metrics_port:
+            return
+        from .metrics import MetricsServer
+
+        self.metrics = MetricsServer(port=settings.metrics_port, url=self.url, prefix=settings.prefix,
+                                     children=lambda: [c.pid for c in self.children if c.poll() is None])
+        self.env.update(self.metrics.child_env())
+        self.metrics.start()
 
     def watch(self, stop: threading.Event) -> None:
-        while not stop.wait(0.5):
+        while not stop.wait(0.1):
             for i, child in enumerate(self.children):
-                if child.poll() is not None and not self._stopping:
-                    log.warning("worker_died", pid=child.pid, code=child.returncode)
-                    self.children[i] = self._spawn()
+                if not self._stopping and child.poll() is not None:
+                    self._revive(i, child)
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def _revive(self, i: int, child: subprocess.Popen[bytes]) -> None:
+        """Schedule the restart of a dead child, or restart it when it is due."""
+        now = time.monotonic()
+        due = self._restart_at[i]
+        if due is None:
+            lived_s = now - self._started[i]
+            self._crashes[i] = 1 if lived_s >= STABLE_S else self._crashes[i] + 1
+            delay = restart_delay_s(self._crashes[i])
+            self._restart_at[i] = now + delay
+            self.restarts.append((i, delay))
+            log.warning("worker_died", pid=child.pid, code=child.returncode, lived_s=round(lived_s, 1),
+                        restart_in_s=delay)
+        elif now >= due:
+            self._restart_at[i] = None
+            self._started[i] = now
+            self.children[i] = self._spawn()
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every child, wait for them up to their grace (and a margin), kill the rest."""
         self._stopping = True
+        started = time.monotonic()
         for child in self.children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        deadline = started + (self.grace_s + KILL_MARGIN_S if grace_s is None else grace_s)
         for child in self.children:
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("worker_killed", pid=child.pid, reason="still running after its grace")
                 child.kill()
                 child.wait()
+        log.info("workers_stopped", codes=[c.returncode for c in self.children],
+                 stop_s=round(time.monotonic() - started, 2))
+        if self.metrics is not None:
+            self.metrics.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

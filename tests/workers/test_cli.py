@@ -26,6 +26,7 @@ import redis
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool, drop_prefix
 from threadline.pipeline import events as ev
+from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers import cli, control
 from threadline.workers import client as client_module
@@ -326,6 +327,7 @@ def test_the_client_speaks_the_workers_wire_names() -> None:
     admit = DEFAULT_GRAPH.first
     assert (admit.queue, admit.name) == (client_module.ADMIT_QUEUE, client_module.ADMIT_ACTOR)
     assert (client_module.CONTROL_QUEUE, client_module.CANCEL_ACTOR) == (control.CONTROL_QUEUE, control.CANCEL_ACTOR)
+    assert frozenset(TERMINAL_TYPES) == client_module.TERMINAL_EVENT_TYPES
 
 
 @pytest.mark.parametrize("module", ["threadline.workers.client", "threadline.workers.cli"])

@@ -17,7 +17,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.client import Client
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def free_port() -> int:

@@ -76,11 +76,11 @@ class Turn:
         return status, detail
 
     async def begin(self, stage: str, *, claim: str = "", interrupts: bool = True, now: float | None = None,
-                    attempt_hint: int = 1) -> Begin:
+                    attempt_hint: int = 1, holder: str = "") -> Begin:
         started = None if stage == FIRST else events.StageEvent(turn_id=self.id, stage=stage, status="started")
         return await self.store.begin(self.id, stage, now=time.time() if now is None else now,
                                       interrupts=interrupts, claim=claim, started=started,
-                                      attempt_hint=attempt_hint)
+                                      attempt_hint=attempt_hint, holder=holder or claim)
 
     async def advance(self, stage: str, *, artifact: str | None = None, fence: str | None = None,
                       accept: bool = False, next_id: str | None = None, attempt: int = 1) -> str:
@@ -496,6 +496,8 @@ async def test_accept_creates_the_conversation_the_row_and_the_order_entry_once(
     assert await hash_of(store, k.conversation(t.cid)) == expected_conversation
     assert await hash_of(store, k.messages(t.cid)) == {t.id: pending_row(t.resolved).model_dump_json()}
     assert await store.redis.zrange(k.message_order(t.cid), 0, -1, withscores=True) == [(t.id.encode(), 1.0)]
+    # the tenant's conversation index (what `conversations` lists) holds it, under the tenant's key only
+    assert await store.redis.zrange(k.tenant_conversations(t.resolved.tenant_id), 0, -1) == [t.cid.encode()]
     state = await store.turn_state(t.id)
     assert state.message_id == t.id and state.done == {FIRST}
     assert state.deadline_at == t.resolved.accepted_at + t.resolved.deadline_s
@@ -521,6 +523,8 @@ async def test_accept_of_a_follow_up_keeps_the_conversation_and_orders_its_row(s
     assert await first.finish() == "ok"
     k = store.keys
     conversation = await hash_of(store, k.conversation(first.cid))
+    index = k.tenant_conversations(first.resolved.tenant_id)
+    first_score = await store.redis.zscore(index, first.cid)
     second = await make_turn(store, conversation_id=first.cid)
     await second.accept()
     assert second.fence == "2"
@@ -529,6 +533,10 @@ async def test_accept_of_a_follow_up_keeps_the_conversation_and_orders_its_row(s
         (first.id.encode(), 1.0), (second.id.encode(), 2.0)]
     row = await store.redis.hget(k.messages(first.cid), second.id)
     assert row is not None and json.loads(row)["parent_id"] == first.id
+    # one index entry, moved to the follow-up's time (the listing shows the most recently active first)
+    entries = await store.redis.zrange(index, 0, -1, withscores=True)
+    assert first_score is not None and [cid for cid, _ in entries] == [first.cid.encode()]
+    assert entries[0][1] > first_score
 
 
 # --- retry ------------------------------------------------------------------------------------------
@@ -745,23 +753,100 @@ async def test_finish_without_a_snapshot_keeps_the_stored_history(store: Store) 
 # --- stalled ----------------------------------------------------------------------------------------
 
 
-async def test_stalled_turn_without_a_claim_is_run_again_from_its_first_stage_not_done(store: Store) -> None:
+async def beat(store: Store, worker_id: str, turns: list[str], *, ttl_ms: int = 10_000, stop: bool = False,
+               broker_id: str = "b-1") -> int:
+    """A worker process's heartbeat, as `middleware/liveness.py` sends it."""
+    k = store.keys
+    script = store.redis.register_script(lua.source("heartbeat"))
+    return int(await script(keys=[k.worker(worker_id), k.worker_turns(worker_id), k.workers(), k.heartbeats()],
+                            args=[lua.payload(worker_id=worker_id, broker_id=broker_id, info="{}", ttl_ms=ttl_ms,
+                                              now_ms=int(time.time() * 1000), turns=turns, stop=stop)]))
+
+
+async def test_stalled_turn_nobody_holds_is_run_again_from_its_first_stage_not_done(store: Store) -> None:
     t = await make_turn(store)
     await t.admit()
     now = time.time() + 120
-    assert await store.stalled(t.id, now=now, max_recoveries=3) == ("stalled", FIRST, 1, t.request.decode())
+    look = await store.stalled(t.id, now=now, max_recoveries=3)
+    assert (look.verdict, look.stage, look.attempt, look.request, look.why) == (
+        "stalled", FIRST, 1, t.request.decode(), "no_progress")
     assert await store.redis.zscore(store.keys.running(), t.id) == pytest.approx(now)  # the clock restarts
     t2 = await make_turn(store)
     await t2.run_to(THIRD)
-    assert await store.stalled(t2.id, now=now, max_recoveries=3) == ("stalled", THIRD, 1, t2.request.decode())
+    look = await store.stalled(t2.id, now=now, max_recoveries=3)
+    assert (look.verdict, look.stage, look.request) == ("stalled", THIRD, t2.request.decode())
 
 
-async def test_stalled_turn_with_a_live_claim_is_alive(store: Store) -> None:
+async def test_stalled_turn_nobody_holds_waits_out_the_stall_time_and_is_looked_at_again_then(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(THIRD)  # its THIRD message waits in a queue: nobody holds the turn
+    progress = float((await hash_of(store, store.keys.turn(t.id)))["progress_at"])
+    look = await store.stalled(t.id, now=progress + 5, max_recoveries=3, stall_s=30, recheck_s=10)
+    assert look.verdict == "waiting"
+    # looked at again exactly when its stall time is up (the sweep takes scores up to now - recheck_s)
+    assert await store.redis.zscore(store.keys.running(), t.id) == pytest.approx(progress + 30 - 10)
+    assert (await store.stalled(t.id, now=progress + 31, max_recoveries=3, stall_s=30)).verdict == "stalled"
+
+
+async def test_stalled_turn_whose_holder_lists_it_is_alive_however_long_it_runs(store: Store) -> None:
     t = await make_turn(store)
     await t.run_to(MODEL)
     await t.begin(MODEL, claim="w1")
-    assert (await store.stalled(t.id, now=time.time(), max_recoveries=3))[0] == "alive"
+    await beat(store, "w1", [t.id])
+    look = await store.stalled(t.id, now=time.time() + 3600, max_recoveries=3)
+    assert look.verdict == "alive"
     assert "recoveries" not in await hash_of(store, store.keys.turn(t.id))
+    assert await store.redis.get(store.keys.model_claim(t.id)) == b"w1"
+
+
+async def test_stalled_turn_whose_holder_is_gone_is_taken_over_at_once_and_its_claim_released(
+    store: Store,
+) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    await t.begin(MODEL, claim="w1")
+    await beat(store, "w1", [t.id])
+    await beat(store, "w1", [], stop=True)  # its heartbeat is gone (the process died, or stopped)
+    look = await store.stalled(t.id, now=time.time(), max_recoveries=3)
+    assert (look.verdict, look.stage, look.why, look.holder) == ("stalled", MODEL, "worker_lost", "w1")
+    assert await store.redis.exists(store.keys.model_claim(t.id)) == 0
+    turn = await hash_of(store, store.keys.turn(t.id))
+    assert "holder" not in turn and turn["recoveries"] == "1"
+    b = await t.begin(MODEL, claim="w2")  # the re-enqueued message runs the model as the next attempt
+    assert (b.status, b.attempt) == ("go", 2)
+
+
+async def test_stalled_turn_whose_live_holder_no_longer_lists_it_is_taken_over(store: Store) -> None:
+    """A worker that lives on but no longer runs the turn (its stage failed and the retry was lost)."""
+    t = await make_turn(store)
+    await t.run_to(THIRD)
+    await t.begin(THIRD, holder="w1")
+    await beat(store, "w1", ["another-turn"])
+    look = await store.stalled(t.id, now=time.time(), max_recoveries=3)
+    assert (look.verdict, look.stage, look.why) == ("stalled", THIRD, "worker_lost")
+
+
+async def test_stalled_model_stage_whose_claim_lapsed_is_taken_over_though_its_holder_lives(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    await t.begin(MODEL, claim="w1")
+    await beat(store, "w1", [t.id])
+    await store.redis.delete(store.keys.model_claim(t.id))  # the run stopped renewing it (a stuck loop)
+    look = await store.stalled(t.id, now=time.time(), max_recoveries=3)
+    assert (look.verdict, look.why) == ("stalled", "claim_lapsed")
+
+
+async def test_stalled_turn_that_moved_on_since_it_was_read_is_alive(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(THIRD)
+    await t.begin(THIRD, holder="w1")
+    # the holder stalled.py read ("w1") is not the one that holds it by the time the script runs
+    reply = await store._run(
+        "stalled", [store.keys.turn(t.id), store.keys.model_claim(t.id), store.keys.running(),
+                    store.keys.waiting(t.cid), store.keys.worker_turns("w0")],
+        lua.payload(turn_id=t.id, now=time.time(), stages=list(STAGES), model_stages=[MODEL], max_recoveries=3,
+                    holder="w0", stall_s=60, recheck_s=10))
+    assert reply == [b"alive"]
 
 
 async def test_stalled_terminal_turn_is_gone_and_leaves_the_running_set(store: Store) -> None:
@@ -770,16 +855,80 @@ async def test_stalled_terminal_turn_is_gone_and_leaves_the_running_set(store: S
     assert await t.finish() == "ok"
     k = store.keys
     await store.redis.zadd(k.running(), {t.id: time.time()})  # a leftover entry
-    assert (await store.stalled(t.id, now=time.time(), max_recoveries=3))[0] == "gone"
+    assert (await store.stalled(t.id, now=time.time(), max_recoveries=3)).verdict == "gone"
     assert await store.redis.zscore(k.running(), t.id) is None
-    assert (await store.stalled(new_id(), now=time.time(), max_recoveries=3))[0] == "gone"  # unknown turn
+    assert (await store.stalled(new_id(), now=time.time(), max_recoveries=3)).verdict == "gone"  # unknown turn
 
 
 async def test_stalled_too_often_is_exhausted(store: Store) -> None:
     t = await make_turn(store)
     await t.run_to(THIRD)
-    verdicts = [(await store.stalled(t.id, now=time.time(), max_recoveries=2))[:2] for _ in range(3)]
+    later = time.time() + 3600
+    verdicts = [(look.verdict, look.stage) for look in
+                [await store.stalled(t.id, now=later + i * 100, max_recoveries=2) for i in range(3)]]
     assert verdicts == [("stalled", THIRD), ("stalled", THIRD), ("exhausted", THIRD)]
+
+
+# --- heartbeat and reap -----------------------------------------------------------------------------
+
+
+async def test_a_heartbeat_lists_the_turns_of_its_worker_until_it_expires_or_says_goodbye(store: Store) -> None:
+    k = store.keys
+    assert await beat(store, "w1", ["t-1", "t-2"], ttl_ms=5_000) == 2
+    assert sorted(await store.redis.smembers(k.worker_turns("w1"))) == [b"t-1", b"t-2"]
+    assert 0 < await store.redis.pttl(k.worker("w1")) <= 5_000
+    assert 0 < await store.redis.pttl(k.worker_turns("w1")) <= 5_000
+    assert await store.redis.hget(k.workers(), "w1") == b"b-1"
+    assert await store.redis.zscore(k.heartbeats(), "b-1") is not None  # dramatiq's, kept fresh too
+    await beat(store, "w1", ["t-2"])
+    assert await store.redis.smembers(k.worker_turns("w1")) == {b"t-2"}
+    await beat(store, "w1", [], stop=True)
+    assert await store.redis.exists(k.worker("w1"), k.worker_turns("w1")) == 0
+    assert await store.redis.hget(k.workers(), "w1") == b"b-1"  # left for the reaper
+
+
+async def test_reap_puts_back_what_a_dead_worker_fetched_and_refuses_a_live_one(store: Store) -> None:
+    k = store.keys
+    await beat(store, "w1", [], broker_id="b-9")
+    for mid in ("m-1", "m-2", "m-gone"):
+        await store.redis.sadd(k.acks("b-9", "history"), mid)
+    await store.redis.hset(k.queue_messages("history"), mapping={"m-1": "{}", "m-2": "{}"})  # m-gone was handled
+    await store.redis.sadd(k.acks("b-9", "invoke.DQ"), "m-3")
+    await store.redis.hset(k.queue_messages("invoke.DQ"), "m-3", "{}")
+    queues = ["history", "invoke.DQ", "persist"]
+    assert await store.reap("w1", "b-9", queues) == -1  # alive: nothing moves
+    assert await store.redis.scard(k.acks("b-9", "history")) == 3
+    await beat(store, "w1", [], stop=True, broker_id="b-9")
+    async with listening(store, k.doorbell_channel()) as channel:
+        assert await store.reap("w1", "b-9", queues) == 3
+        rung = await published(channel)
+    assert sorted(await store.redis.lrange(k.queue("history"), 0, -1)) == [b"m-1", b"m-2"]
+    assert await store.redis.lrange(k.queue("invoke.DQ"), 0, -1) == [b"m-3"]
+    assert sorted(rung) == ["history", "invoke.DQ"]
+    assert await store.redis.exists(k.acks("b-9", "history"), k.acks("b-9", "invoke.DQ")) == 0
+    assert await store.redis.hget(k.workers(), "w1") is None
+    assert await store.redis.zscore(k.heartbeats(), "b-9") is None
+    assert await store.reap("w1", "b-9", queues) == 0  # a second reaper finds nothing left
+
+
+async def test_a_handover_enqueues_the_model_stage_at_once_and_is_no_failed_attempt(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(MODEL)
+    assert (await t.begin(MODEL, claim="w1")).attempt == 1
+    arg = Envelope(turn_id=t.id, stage=MODEL, attempt=2).model_dump()
+    assert await store.retry(
+        t.id, next_=Next(MODEL, arg, "m-handover"), now=time.time(), now_ms=int(time.time() * 1000),
+        event=events.Retrying(turn_id=t.id, attempt=2, reason="handover: shutting down"), claim="w1",
+        handover=True) == "ok"
+    queue = DEFAULT_GRAPH[MODEL].queue
+    assert await store.redis.lrange(store.keys.queue(queue), -1, -1) == [b"m-handover"]  # not the delay queue
+    assert await store.redis.exists(store.keys.model_claim(t.id)) == 0
+    assert "holder" not in await hash_of(store, store.keys.turn(t.id))
+    b = await t.begin(MODEL, claim="w2")
+    assert (b.status, b.attempt, b.handovers) == ("go", 2, 1)
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    assert [e.reason for e in seen if isinstance(e, events.Retrying)] == ["handover: shutting down"]
 
 
 # --- cancel -----------------------------------------------------------------------------------------

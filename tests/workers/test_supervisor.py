@@ -1,17 +1,30 @@
-"""`threadline worker`'s supervisor: restarts a worker process that dies, and stops them all."""
+"""`threadline worker`'s supervisor: restarts a worker process that dies (with backoff while it keeps
+crashing), and stops them all. A worker process started while Redis is down says so once, not once
+per consumer every few seconds, and works once Redis is there."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
 
-from tests.conftest import ROOT, WorkerPool
-from threadline.workers.worker import Supervisor
+from tests.conftest import ROOT, WorkerPool, turn
+from tests.support.wait import wait_until
+from tests.workers.test_restart import Restartable
+from threadline.pipeline import events as ev
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.broker import Reachability
+from threadline.workers.client import Client
+from threadline.workers.worker import Supervisor, restart_delay_s
 
 pytestmark = pytest.mark.integration
 
@@ -43,3 +56,61 @@ def test_a_dead_worker_process_is_replaced_and_stop_leaves_none(redis_url: str) 
         for key in r.scan_iter(f"{prefix}:*"):
             r.delete(key)
     assert all(child.poll() is not None for child in supervisor.children)
+
+
+def test_a_crashing_worker_process_is_restarted_with_growing_delays(redis_url: str) -> None:
+    """A child that cannot start (an unknown queue) crashes at once, every time: the supervisor
+    waits 0.5 s, 1 s, 2 s, … (up to 30 s) before each restart, instead of respawning it in a loop."""
+    supervisor = Supervisor(redis_url, processes=1, threads=1, queues=["no-such-queue"],
+                            env={"TL_PREFIX": f"tls{uuid.uuid4().hex[:6]}", "PYTHONPATH": str(ROOT)},
+                            log_path=Path(os.devnull))
+    stop = threading.Event()
+    supervisor.start()
+    watcher = threading.Thread(target=supervisor.watch, args=(stop,), daemon=True)
+    watcher.start()
+    first = supervisor.children[0]
+    try:
+        wait_until(lambda: len(supervisor.restarts) >= 3, timeout_s=30)
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+        supervisor.stop()
+    assert [delay for _, delay in supervisor.restarts[:3]] == [0.5, 1.0, 2.0]
+    assert supervisor.children[0] is not first
+    assert [restart_delay_s(n) for n in (1, 4, 7, 8, 50)] == [0.5, 4.0, 30.0, 30.0, 30.0]
+
+
+@pytest.mark.slow
+def test_a_worker_without_redis_logs_one_error_then_works_once_redis_is_there(tmp_path: Path) -> None:
+    server = Restartable(tmp_path / "valkey")  # not started yet: nothing listens on its port
+    prefix = f"tlu{uuid.uuid4().hex[:6]}"
+    log_path = tmp_path / "worker.log"
+    env = {**os.environ, "REDIS_URL": server.url, "TL_PREFIX": prefix, "TL_LOG_FORMAT": "json",
+           "TL_LOG_LEVEL": "INFO", "PYTHONPATH": str(ROOT)}
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "threadline.workers.worker", "--threads", "2"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_until(lambda: "worker_started" in log_path.read_text(), timeout_s=20)
+        time.sleep(6)  # the window measured: what the worker says while Redis stays away
+        lines = log_path.read_text().splitlines()
+        after = lines[next(i for i, line in enumerate(lines) if "worker_started" in line) + 1:]
+        assert len(after) <= 5, after
+        said = [json.loads(line) for line in lines]
+        assert [e["event"] for e in said].count("redis_unreachable") == 1, lines
+        assert not [e for e in said if e["level"] == "critical"], lines
+
+        server.start()
+        WorkerPool(server.url, prefix, tmp_path).wait_ready(1)
+        client = Client(server.url, prefix=prefix)
+        client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
+        terminal = client.wait(client.submit(turn("echo", "are you there?")), timeout_s=40)
+        assert isinstance(terminal, ev.Succeeded), terminal
+        client.close()
+        assert "redis_reachable" in log_path.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        server.stop()
+    # the one line names the server without its password
+    assert "hunter2" not in Reachability("redis://:hunter2@db.internal:6379/0").url

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from .boot import Boot
 from .give_up import GiveUp
+from .liveness import Liveness
 from .log_context import LogContext
+from .metrics import Metrics
+from .tracing import Tracing
 
-__all__ = ["Boot", "GiveUp", "LogContext"]
+__all__ = ["Boot", "GiveUp", "Liveness", "LogContext", "Metrics", "Tracing"]

@@ -37,7 +37,8 @@ class Boot(Middleware):
         self.watcher = CancelWatcher(registry, broker.listener, self.url, broker.keys)
         loop = get_event_loop_thread()
         assert loop is not None, "the AsyncIO middleware comes before Boot"
-        self._watchdog = asyncio.run_coroutine_threadsafe(Watchdog(runtime).run(), loop.loop)
+        watchdog = Watchdog(runtime, reachability=broker.reachability)
+        self._watchdog = asyncio.run_coroutine_threadsafe(watchdog.run(), loop.loop)
 
     def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         from threadline.workers.broker import DoorbellBroker

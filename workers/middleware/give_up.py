@@ -44,7 +44,13 @@ class GiveUp(Middleware):
             log.exception("give_up_failed", turn_id=turn_id)
 
     def turn_id_of(self, message: dramatiq.MessageProxy) -> str | None:
-        arg = message.args[0] if message.args else None
-        if message.actor_name == self.admit_actor:
-            return extract_turn_id(arg) or valid_turn_id(message.message_id)
-        return valid_turn_id(arg.get("turn_id")) if isinstance(arg, dict) else None
+        return turn_id_of(message, admit_actor=self.admit_actor)
+
+
+def turn_id_of(message: dramatiq.MessageProxy, *, admit_actor: str) -> str | None:
+    """The turn a stage message is about: the request's (or the message's) id on the admit queue,
+    the envelope's on the others; None for a control message or one that names no turn."""
+    arg = message.args[0] if message.args else None
+    if message.actor_name == admit_actor:
+        return extract_turn_id(arg) or valid_turn_id(message.message_id)
+    return valid_turn_id(arg.get("turn_id")) if isinstance(arg, dict) else None

@@ -4,10 +4,11 @@
 -- KEYS[1] turn   KEYS[2] events   KEYS[3] this stage's artifact   KEYS[4] running turns
 -- KEYS[5] conversation's lease   KEYS[6] conversation   KEYS[7] conversation's messages
 -- KEYS[8] conversation's message order   KEYS[9] next queue's messages   KEYS[10] next queue
--- KEYS[11] conversation's decision records
+-- KEYS[11] conversation's decision records   KEYS[12] the conversation's tenant's conversation index
 -- ARGV[1] JSON {stage, turn_id, fence ("" = not checked), now, artifact_ttl_ms, next_id,
 --               next_queue, channel, events: [event...],
---               accept (absent, or {conversation: {field: value}, deadline_at, message_id}),
+--               accept (absent, or {conversation: {field: value}, conversation_id, deadline_at,
+--               message_id}),
 --               decision (absent, or the stage's decision record as JSON text, kept under
 --               "<message id = turn id>:<stage>")}
 -- ARGV[2] the artifact   ARGV[3] the next stage's message   ARGV[4] the pending message row
@@ -31,9 +32,14 @@ if a.accept then
     redis.call('ZADD', KEYS[8], 'NX', redis.call('HINCRBY', KEYS[6], 'message_seq', 1), a.accept.message_id)
   end
   redis.call('HSET', turn, 'message_id', a.accept.message_id)
+  -- the tenant's listing, ordered by the last accepted turn; only a turn past the admit stage (whose scope
+  -- matched) gets here, so no request can put another tenant's conversation in its own listing
+  redis.call('ZADD', KEYS[12], a.now, a.accept.conversation_id)
 end
 if a.decision then redis.call('HSET', KEYS[11], a.turn_id .. ':' .. a.stage, a.decision) end
-redis.call('HSET', turn, 'done:' .. a.stage, a.now)
+redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now)
+-- until a worker begins the next stage, nobody holds the turn: its message waits in a queue
+redis.call('HDEL', turn, 'holder')
 redis.call('ZADD', KEYS[4], a.now, a.turn_id)
 redis.call('SET', KEYS[3], ARGV[2], 'PX', a.artifact_ttl_ms)
 for _, json in ipairs(a.events) do emit(turn, events, json) end

@@ -4,9 +4,10 @@
 -- KEYS[1] turn   KEYS[2] events   KEYS[3] cancel flag   KEYS[4] the admit stage's artifact
 -- KEYS[5] the previous stage's artifact   KEYS[6] model claim   KEYS[7] running turns
 -- ARGV[1] JSON {stage, turn_id, now, interrupts (check cancel and deadline), claim (token or ""),
---               claim_ttl_ms, started (event, or ""), redelivered (event)}; both events come
+--               claim_ttl_ms, holder (the worker id running the stage, or ""),
+--               started (event, or ""), redelivered (event)}; both events come
 --               without seq and attempt: a claim decides the attempt.
--- Returns {'go', attempt, admit artifact, previous artifact, conversation id, fence, deadline}
+-- Returns {'go', attempt, admit artifact, previous artifact, conversation id, fence, deadline, handovers}
 --       | {'unknown'} | {'terminal', status} | {'done'} | {'cancelled'} | {'timed_out'} | {'duplicate'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
@@ -30,9 +31,12 @@ if a.claim ~= '' then
     emit(turn, events, a.redelivered, attempt)
   end
 end
-redis.call('HSET', turn, 'stage', a.stage)
+redis.call('HSET', turn, 'stage', a.stage, 'progress_at', a.now)
+-- the watchdog takes the turn over as soon as its holder's heartbeat no longer lists it
+if a.holder and a.holder ~= '' then redis.call('HSET', turn, 'holder', a.holder)
+else redis.call('HDEL', turn, 'holder') end
 redis.call('ZADD', KEYS[7], a.now, a.turn_id)
 if a.started ~= '' then emit(turn, events, a.started, attempt) end
 return {'go', tostring(attempt), redis.call('GET', KEYS[4]) or '', redis.call('GET', KEYS[5]) or '',
         redis.call('HGET', turn, 'conversation_id') or '', redis.call('HGET', turn, 'fence') or '',
-        deadline or ''}
+        deadline or '', redis.call('HGET', turn, 'handovers') or '0'}

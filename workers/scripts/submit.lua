@@ -1,10 +1,20 @@
 -- A producer's enqueue of a turn: its place in its conversation's line by server time (submission
 -- order holds from a conversation's first turn), the dramatiq message, and the doorbell. A turn
 -- that already ended takes no place (a producer retrying its submission must not block the line).
+-- With an owner (the gateway's tenant), the turn is recorded as that tenant's, once: a turn that
+-- already exists is not enqueued again, and its owner (or "" when it has none) is returned instead.
 -- KEYS[1] the queue's messages   KEYS[2] the queue   KEYS[3] the conversation's line   KEYS[4] the turn
--- ARGV[1] JSON {message_id, turn_id ("" = do not take a place in the line), channel, queue}
+-- ARGV[1] JSON {message_id, turn_id ("" = do not take a place in the line), channel, queue,
+--               owner (absent or "": no owner recorded, enqueued whatever exists)}
 -- ARGV[2] the dramatiq message
+-- Returns 1 (enqueued) | {'exists', owner}
 local a = cjson.decode(ARGV[1])
+if a.owner and a.owner ~= '' then
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    return {'exists', redis.call('HGET', KEYS[4], 'tenant_id') or ''}
+  end
+  redis.call('HSET', KEYS[4], 'tenant_id', a.owner)
+end
 local status = redis.call('HGET', KEYS[4], 'status')
 if a.turn_id ~= '' and not (status and TERMINAL[status]) then
   redis.call('ZADD', KEYS[3], 'NX', now_us(), a.turn_id)

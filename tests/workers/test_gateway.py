@@ -1,0 +1,312 @@
+"""The HTTP + SSE gateway, served by a real uvicorn on a free port in front of the shared worker pool:
+turns (202, idempotent), their events as SSE (live deltas, a `Last-Event-ID` resume with nothing lost
+or repeated), cancel, turn and conversation reads, deletion, agents, and tenant isolation by API key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from tests.conftest import WorkerPool
+from tests.support.wait import wait_until
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.apikeys import create_key
+from threadline.workers.cli import run
+from threadline.workers.client import Client
+from threadline.workers.gateway import create_app
+from threadline.workers.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+def python_model(factory: str, **options: Any) -> dict[str, Any]:
+    return {"provider": "python", "name": f"tests.support.models:{factory}", "options": options}
+
+
+@dataclasses.dataclass
+class Api:
+    base: str
+    client: Client
+    key_a: str
+    admin_a: str
+    key_b: str
+    echo: str
+
+    def http(self, key: str | None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.base, headers=headers, timeout=30)
+
+    def agent(self, model: str | dict[str, Any]) -> str:
+        agent_id = f"agent-{uuid.uuid4().hex[:10]}"
+        self.client.put_agent(AgentConfig.model_validate({"id": agent_id, "model": model}))
+        return agent_id
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def api(workers: WorkerPool, redis_url: str, prefix: str) -> Iterator[Api]:
+    settings = dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": "2000"}), prefix=prefix,
+                                   redis_url=redis_url)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, redis_url), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, timeout_s=10)
+    client = Client(redis_url, prefix=prefix)
+    tenant_a, tenant_b = f"ta{uuid.uuid4().hex[:6]}", f"tb{uuid.uuid4().hex[:6]}"
+    def key(tenant: str, admin: bool = False) -> str:
+        return create_key(client.redis, client.keys, tenant, admin=admin)
+
+    api = Api(f"http://127.0.0.1:{port}", client, key(tenant_a), key(tenant_a, admin=True), key(tenant_b), echo="")
+    api.echo = api.agent("offline:echo")
+    yield api
+    server.should_exit = True
+    thread.join(timeout=10)
+    client.close()
+
+
+def body(agent: str, query: str, **fields: Any) -> dict[str, Any]:
+    return {"app_id": "app", "user_id": "u1", "agent_id": agent, "query": query, **fields}
+
+
+def sse(response: httpx.Response) -> Iterator[dict[str, str]]:
+    """The events of an SSE response as they arrive: {"id", "event", "data"} (pings skipped)."""
+    current: dict[str, str] = {}
+    for line in response.iter_lines():
+        if not line:
+            if "data" in current:
+                yield current
+            current = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            current[name] = value.removeprefix(" ")
+
+
+def post_turn(http: httpx.Client, request: dict[str, Any]) -> dict[str, Any]:
+    response = http.post("/v1/turns", json=request)
+    assert response.status_code == 202, response.text
+    return dict(response.json())
+
+
+def finish(http: httpx.Client, turn_id: str) -> dict[str, Any]:
+    """Follow the events to the end; the terminal event's data."""
+    with http.stream("GET", f"/v1/turns/{turn_id}/events") as response:
+        events = list(sse(response))
+    return dict(json.loads(events[-1]["data"]))
+
+
+def test_events_stream_live_and_resume_after_last_event_id_exactly_once(api: Api, tmp_path: Path) -> None:
+    until = tmp_path / "stop"
+    agent = api.agent(python_model("streaming", words=400, delay_ms=20, until=str(until)))
+    with api.http(api.key_a) as http:
+        accepted = post_turn(http, body(agent, "talk"))
+        turn_id = accepted["turn_id"]
+        assert accepted["events_url"] == f"/v1/turns/{turn_id}/events" and accepted["created"] is True
+        first: list[dict[str, str]] = []
+        with http.stream("GET", accepted["events_url"]) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for event in sse(response):
+                first.append(event)
+                if sum(e["event"] == "text_delta" for e in first) == 3:
+                    break
+        # the deltas arrived while the model was still speaking: it stops only when told to
+        assert api.client.terminal(turn_id) is None
+        wait_until(lambda: len(api.client.redis.xrange(api.client.keys.events(turn_id))) > len(first) + 2)
+        until.touch()
+        with http.stream("GET", accepted["events_url"], headers={"Last-Event-ID": first[-1]["id"]}) as response:
+            rest = list(sse(response))
+    stored = [entry_id.decode() for entry_id, _ in api.client.redis.xrange(api.client.keys.events(turn_id))]
+    assert [e["id"] for e in first + rest] == stored
+    assert [json.loads(e["data"])["seq"] for e in first + rest] == list(range(1, len(stored) + 1))
+    assert rest[-1]["event"] == "succeeded"
+    # `?after=` resumes the same way
+    with api.http(api.key_a) as http, http.stream("GET", f"{accepted['events_url']}?after={stored[-2]}") as response:
+        assert [e["id"] for e in sse(response)] == stored[-1:]
+
+
+def test_post_is_idempotent_on_turn_id(api: Api) -> None:
+    turn_id = uuid.uuid4().hex
+    with api.http(api.key_a) as http:
+        first = post_turn(http, body(api.echo, "once", turn_id=turn_id))
+        second = post_turn(http, body(api.echo, "once", turn_id=turn_id))
+        assert (first["turn_id"], first["created"]) == (turn_id, True)
+        assert (second["turn_id"], second["created"]) == (turn_id, False)
+        assert finish(http, turn_id)["type"] == "succeeded"
+        assert post_turn(http, body(api.echo, "once", turn_id=turn_id))["created"] is False
+    events = list(api.client.events(turn_id))
+    assert [e.type for e in events].count("accepted") == 1 and [e.type for e in events].count("succeeded") == 1
+    with api.http(api.key_b) as http:
+        taken = http.post("/v1/turns", json=body(api.echo, "mine?", turn_id=turn_id))
+    assert taken.status_code == 409 and taken.json()["code"] == "turn_id_taken"
+
+
+def test_cancel_and_get_turn(api: Api, tmp_path: Path) -> None:
+    agent = api.agent(python_model("streaming", words=1000, delay_ms=20, until=str(tmp_path / "never")))
+    with api.http(api.key_a) as http:
+        turn_id = post_turn(http, body(agent, "go on"))["turn_id"]
+        wait_until(lambda: any(e.type == "text_delta" for e in api.client.events(turn_id)), timeout_s=20)
+        assert http.get(f"/v1/turns/{turn_id}").json()["status"] == "running"
+        response = http.post(f"/v1/turns/{turn_id}/cancel", json={"reason": "user pressed stop"})
+        assert response.status_code == 202 and response.json()["result"] == "enqueued"
+        assert finish(http, turn_id)["type"] == "cancelled"
+        state = http.get(f"/v1/turns/{turn_id}").json()
+        assert state["status"] == "cancelled" and state["result"]["type"] == "cancelled"
+        assert http.post(f"/v1/turns/{turn_id}/cancel").json()["result"] == "noop: cancelled"
+
+        done = post_turn(http, body(api.echo, "hello"))
+        assert finish(http, done["turn_id"])["type"] == "succeeded"
+        state = http.get(done["turn_url"]).json()
+    assert state["status"] == "succeeded" and state["conversation_id"] == done["conversation_id"]
+    assert state["result"]["usage"]["requests"] == 1 and "hello" in state["result"]["answer"]
+    assert "history" in state["decisions"]
+
+
+def test_conversations_list_show_delete(api: Api) -> None:
+    with api.http(api.key_a) as http:
+        first = post_turn(http, body(api.echo, "one"))
+        assert finish(http, first["turn_id"])["type"] == "succeeded"
+        cid = first["conversation_id"]
+        second = post_turn(http, body(api.echo, "two", conversation_id=cid))
+        assert finish(http, second["turn_id"])["type"] == "succeeded"
+        other = post_turn(http, body(api.echo, "elsewhere"))
+        assert finish(http, other["turn_id"])["type"] == "succeeded"
+
+        listed = [c["id"] for c in http.get("/v1/conversations").json()["conversations"]]
+        assert listed[:2] == [other["conversation_id"], cid]
+        shown = http.get(f"/v1/conversations/{cid}").json()
+        assert shown["conversation"]["id"] == cid and len(shown["path"]) == 2
+        assert [m["query"] for m in shown["messages"]] == ["one", "two"]
+        assert [m["id"] for m in shown["messages"]] == shown["path"]
+        assert shown["messages"][1]["parent_id"] == shown["path"][0]
+        assert all(m["status"] == "succeeded" and m["usage"]["requests"] == 1 for m in shown["messages"])
+        assert all("history" in m["decisions"] for m in shown["messages"])
+
+        deleted = http.delete(f"/v1/conversations/{cid}")
+        assert deleted.status_code == 200 and deleted.json()["turns"] == 2
+        assert http.get(f"/v1/conversations/{cid}").status_code == 404
+        assert http.delete(f"/v1/conversations/{cid}").status_code == 404
+        assert cid not in [c["id"] for c in http.get("/v1/conversations").json()["conversations"]]
+        assert http.get(f"/v1/turns/{first['turn_id']}").status_code == 404
+
+
+def test_agents_put_show_versions_publish(api: Api) -> None:
+    agent_id = f"agent-{uuid.uuid4().hex[:10]}"
+    config = {"model": "offline:echo", "instructions": "v1"}
+    with api.http(api.admin_a) as http:
+        put = http.put(f"/v1/agents/{agent_id}", json=config).json()
+        assert put == {"agent_id": agent_id, "ref": "v1", "created": True, "version": 1}
+        assert http.put(f"/v1/agents/{agent_id}", json=config).json()["created"] is False
+        draft = http.put(f"/v1/agents/{agent_id}?draft=next", json={**config, "instructions": "v2"}).json()
+        assert draft["ref"] == "draft:next"
+        published = http.post(f"/v1/agents/{agent_id}/publish").json()
+        assert published["ref"] == "v2" and published["created"] is True
+        shown = http.get(f"/v1/agents/{agent_id}").json()
+        assert shown["version"] == 2 and shown["config"]["instructions"] == "v2"
+        assert http.get(f"/v1/agents/{agent_id}?version=1").json()["config"]["instructions"] == "v1"
+        versions = http.get(f"/v1/agents/{agent_id}/versions").json()
+        assert versions["active"] == 2 and [v["version"] for v in versions["versions"]] == [1, 2]
+        assert http.get(f"/v1/agents/{agent_id}?version=9").status_code == 404
+        assert http.get("/v1/agents/nope-nope/versions").status_code == 404
+        bad = http.put(f"/v1/agents/{agent_id}", json={"model": "offline:echo", "id": "other"})
+        assert bad.status_code == 422 and bad.json()["code"] == "invalid_request"
+    with api.http(api.key_a) as http:
+        assert agent_id in [a["agent_id"] for a in http.get("/v1/agents").json()["agents"]]
+        refused = http.put(f"/v1/agents/{agent_id}", json=config)
+        assert refused.status_code == 403 and refused.json()["code"] == "forbidden"
+        assert http.get(f"/v1/agents/{agent_id}").status_code == 403
+
+
+def test_another_tenants_turn_and_conversation_are_404_like_missing_ones(api: Api) -> None:
+    with api.http(api.key_a) as http:
+        mine = post_turn(http, body(api.echo, "private"))
+        assert finish(http, mine["turn_id"])["type"] == "succeeded"
+    turn_id, cid = mine["turn_id"], mine["conversation_id"]
+    with api.http(api.key_b) as http:
+        for method, path in (("GET", "/v1/turns/{}"), ("GET", "/v1/turns/{}/events"),
+                             ("POST", "/v1/turns/{}/cancel")):
+            foreign = http.request(method, path.format(turn_id))
+            missing = http.request(method, path.format("no-such-turn"))
+            assert foreign.status_code == missing.status_code == 404
+            assert foreign.json()["code"] == missing.json()["code"] == "not_found"
+        for method in ("GET", "DELETE"):
+            assert http.request(method, f"/v1/conversations/{cid}").status_code == 404
+        assert cid not in [c["id"] for c in http.get("/v1/conversations").json()["conversations"]]
+        # a turn naming A's conversation is refused before it is enqueued
+        assert http.post("/v1/turns", json=body(api.echo, "let me in", conversation_id=cid)).status_code == 404
+        # the tenant is the key's: naming another one is refused
+        tenant_a = api.client.owner(turn_id)
+        assert tenant_a is not None
+        wrong = http.post("/v1/turns", json={**body(api.echo, "as A"), "tenant_id": tenant_a})
+        assert wrong.status_code == 403 and wrong.json()["code"] == "forbidden"
+    assert api.client.conversation(cid) is not None  # untouched
+
+
+def test_keys_and_validation(api: Api) -> None:
+    with api.http(None) as http:
+        assert http.get("/v1/conversations").status_code == 401
+        assert http.post("/v1/turns", json=body(api.echo, "hi")).json()["code"] == "unauthorized"
+        assert http.get("/healthz").json() == {"status": "ok"}
+        assert "/v1/turns" in http.get("/openapi.json").json()["paths"]
+    with api.http("tlk_not-a-key") as http:
+        assert http.get("/v1/conversations").status_code == 401
+    with api.http(api.key_a) as http:
+        empty = http.post("/v1/turns", json=body(api.echo, "   "))
+        assert empty.status_code == 422 and empty.json()["code"] == "invalid_request"
+        assert "query is empty" in empty.json()["message"]
+        assert http.post("/v1/turns", json=[1, 2]).status_code == 422
+        assert http.get("/v1/turns/x/events?after=not-an-id").status_code == 404  # unknown turn first
+        started = time.monotonic()
+        mine = post_turn(http, body(api.echo, "hi"))
+        assert http.get(f"{mine['events_url']}?after=1-2-3").status_code == 422
+        assert time.monotonic() - started < 10
+
+
+def test_keys_create_and_gateway_commands(api: Api, redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("TL_PREFIX", prefix)
+    assert run(["keys", "create", "tc-cli"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("tlk_") and key.encode() not in b"".join(api.client.redis.hvals(api.client.keys.api_keys()))
+    with api.http(key) as http:
+        assert http.get("/v1/conversations").json() == {"conversations": []}
+    assert run(["keys", "create", "not:a:tenant"]) == 2
+    # `threadline gateway` serves the same API from its own process
+    port = free_port()
+    env = {**os.environ, "REDIS_URL": redis_url, "TL_PREFIX": prefix}
+    proc = subprocess.Popen([sys.executable, "-m", "threadline.workers.cli", "gateway", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, timeout_s=20)
+        listed = httpx.get(f"http://127.0.0.1:{port}/v1/conversations", headers={"Authorization": f"Bearer {key}"})
+        assert listed.json() == {"conversations": []}
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=10)
+    assert b"gateway on http://127.0.0.1:" in stderr

@@ -1,0 +1,131 @@
+"""A graceful stop: SIGTERM hands every model call in flight to another worker at once (a `retrying`
+event, the claim released, the stage enqueued again without delay), lets the fast stages in flight
+finish, and the supervisor is gone within its grace period."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
+from tests.support.wait import wait_until
+from tests.workers.test_outcomes import python_model, records, wait_for_event
+from tests.workers.test_recovery import assert_gapless, holder_pid
+from threadline.pipeline import events as ev
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.stages import DEFAULT_GRAPH, Stage, StageInput, StageOutput
+from threadline.workers.client import Client
+from threadline.workers.worker import Supervisor
+
+pytestmark = pytest.mark.integration
+
+
+def test_sigterm_to_the_supervisor_mid_stream_hands_the_turn_to_another_worker_at_once(
+    redis_url: str, tmp_path: Path
+) -> None:
+    prefix = f"tlh{uuid.uuid4().hex[:8]}"
+    env = {"TL_PREFIX": prefix, "TL_ALLOW_PYTHON_PLUGINS": "1", "TL_LOG_FORMAT": "json", "TL_LOG_LEVEL": "INFO",
+           "PYTHONPATH": str(ROOT)}
+    supervisor = Supervisor(redis_url, processes=1, threads=4, env=env, log_path=tmp_path / "supervisor.log")
+    other = WorkerPool(redis_url, prefix, tmp_path)
+    client = Client(redis_url, prefix=prefix)
+    try:
+        supervisor.start()
+        other.wait_ready(1)  # the supervisor's one child: the turn starts there
+        until, record = tmp_path / "enough", tmp_path / "calls.jsonl"
+        client.put_agent(AgentConfig.model_validate({"id": "streamer", "model": python_model(
+            "streaming", words=5000, delay_ms=10, until=str(until), record=str(record))}))
+        turn_id = client.submit(turn("streamer", "a long answer please"))
+        wait_for_event(client, turn_id, "text_delta")
+        assert holder_pid(client, turn_id) == supervisor.children[0].pid
+        other.start(processes=1)
+        other.wait_ready(2)
+
+        signalled = time.time()
+        supervisor.stop()
+        stop_s = time.time() - signalled
+        assert stop_s <= supervisor.grace_s, f"the supervisor took {stop_s:.1f} s"
+        assert supervisor.children[0].returncode == 0  # it stopped by itself, nobody killed it
+
+        # another worker continues: attempt 2 of the model stage starts (stream ids are ms timestamps)
+        entries = client.entries(turn_id, follow=True, timeout_s=10)
+        continued = next(entry_id for entry_id, e in entries
+                         if isinstance(e, ev.StageEvent) and e.attempt == 2 and e.status == "started")
+        continued_s = int(continued.split("-")[0]) / 1000 - signalled
+        print(f"SIGTERM -> attempt 2 started: {continued_s:.2f} s; supervisor stopped in {stop_s:.2f} s")
+        assert continued_s < 2.0
+        until.touch()
+        terminal = client.wait(turn_id, timeout_s=30)
+        assert isinstance(terminal, ev.Succeeded) and terminal.attempt == 2, terminal
+        seen = assert_gapless(client, turn_id)
+        assert len([e for e in seen if isinstance(e, ev.Terminal)]) == 1
+        retrying = [e for e in seen if isinstance(e, ev.Retrying)]
+        assert len(retrying) == 1 and retrying[0].reason.startswith("handover") and retrying[0].attempt == 2
+        assert len([r for r in records(record) if r["event"] == "request"]) == 2
+        log = (tmp_path / "supervisor.log").read_text()
+        assert "turn_handed_over" in log and "turns_abandoned" not in log
+        assert client.redis.hget(client.keys.turn(turn_id), "handovers") == b"1"
+    finally:
+        supervisor.stop()
+        other.stop()
+        drop_prefix(client.redis, prefix)
+        client.close()
+
+
+def slow(given: StageInput) -> StageOutput:
+    """A transform stage that takes a while (it blocks its worker's event loop: fine in a test)."""
+    time.sleep(1.5)
+    return StageOutput(given.artifact, {"slept_s": 1.5})
+
+
+SLOW_GRAPH = DEFAULT_GRAPH.with_stage(Stage("slow", "transform", slow), after="map")
+
+
+def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) -> None:
+    worker = InProcessWorker(redis_url, SLOW_GRAPH)
+    client = worker.client
+    try:
+        client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
+        turn_id = client.submit(turn("echo", "slowly"))
+
+        def slow_started() -> bool:
+            return any(isinstance(e, ev.StageEvent) and e.stage == "slow" for e in client.events(turn_id))
+
+        wait_until(slow_started, timeout_s=15)
+        stopping = time.monotonic()
+        worker.worker.stop(timeout=5_000)
+        worker.broker.close()
+        stop_s = time.monotonic() - stopping
+        assert stop_s < 5.0
+        stages = [(e.stage, e.status) for e in client.events(turn_id) if isinstance(e, ev.StageEvent)]
+        assert ("slow", "finished") in stages
+        state = client.turn_state(turn_id)
+        assert state.status == "running" and "slow" in state.done
+        # its hand-over happened: the next stage waits on its queue for any other worker
+        assert client.redis.llen(client.keys.queue(SLOW_GRAPH.next("slow").queue)) == 1  # type: ignore[union-attr]
+        assert client.redis.hget(client.keys.turn(turn_id), "holder") is None
+    finally:
+        drop_prefix(client.redis, worker.prefix)
+        client.close()
+
+
+def test_stopping_workers_put_back_what_they_fetched_and_say_goodbye(redis_url: str, tmp_path: Path) -> None:
+    """A stopped process leaves no heartbeat behind (its turns are taken over at once, not after a
+    timeout) and no message in its ack sets."""
+    prefix = f"tlg{uuid.uuid4().hex[:8]}"
+    pool = WorkerPool(redis_url, prefix, tmp_path).start(processes=1)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: bool(list(r.scan_iter(f"{prefix}:worker:*"))), timeout_s=10)  # its first heartbeat
+        pool.stop()
+        assert pool.procs[0].returncode == 0
+        assert not list(r.scan_iter(f"{prefix}:worker:*"))
+        assert not [k for k in r.scan_iter(f"{prefix}:q:__acks__.*") if r.scard(k)]
+    finally:
+        pool.stop()
+        drop_prefix(r, prefix)
+        r.close()

@@ -1,0 +1,264 @@
+"""The asyncio client (`redis.asyncio`): the turn and conversation surface of `Client`, awaitable, with
+events as an async iterator. The gateway streams events with it; agents stay on the sync `Client`."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+import redis.asyncio as aioredis
+
+from threadline.pipeline.contracts import TurnRequest, new_conversation_id
+from threadline.pipeline.errors import InvalidRequest
+
+from . import lua
+from .client import (
+    ADMIT_ACTOR,
+    ADMIT_QUEUE,
+    CANCEL_ACTOR,
+    CONTROL_QUEUE,
+    TERMINAL_EVENT_TYPES,
+    BaseHandle,
+    TurnIdTaken,
+    _setting_default,
+    _text,
+    checked_request,
+    owner_of,
+    read_block_ms,
+    resume_body,
+    stream_entries,
+    submit_call,
+    submitted,
+    turn_body,
+)
+from .keys import Keys
+from .settings import Settings
+
+if TYPE_CHECKING:
+    from threadline.pipeline.events import Event, Terminal
+    from threadline.pipeline.records import ConversationRecord, MessageRecord
+
+    from .schema import TurnState
+    from .store import DeleteResult
+
+
+class AsyncTurnHandle(BaseHandle):
+    """`TurnHandle` for the async client: the turn id, with awaitable methods."""
+
+    client: AsyncClient
+
+    def entries(self, *, after: str = "0", follow: bool = True,
+                timeout_s: float | None = None) -> AsyncIterator[tuple[str, Event]]:
+        return self.client.entries(self, after=after, follow=follow, timeout_s=timeout_s)
+
+    async def events(self, *, after: str = "0", follow: bool = True,
+                     timeout_s: float | None = None) -> AsyncIterator[Event]:
+        async for _, event in self.client.entries(self, after=after, follow=follow, timeout_s=timeout_s):
+            yield event
+
+    async def result(self, timeout: float | None = 60.0) -> Terminal:
+        return await self.client.wait(self, timeout_s=timeout)
+
+    async def cancel(self, reason: str = "") -> str:
+        return await self.client.cancel(self, reason)
+
+    async def state(self) -> TurnState:
+        return await self.client.turn_state(self)
+
+    async def resume(self, answers: Mapping[str, Any], *, turn_id: str | None = None) -> AsyncTurnHandle:
+        """Answer this paused turn's pending tool calls: a new turn, started."""
+        from threadline.pipeline.events import Paused
+
+        paused = await self.client.terminal(self)
+        if not isinstance(paused, Paused) or not paused.conversation_id:
+            raise InvalidRequest(f"turn {self} is not paused ({paused.type if paused else 'not ended'})")
+        record = None if self.request is not None else await self.client.conversation(paused.conversation_id)
+        body = resume_body(paused.conversation_id, answers, request=self.request, record=record, turn_id=turn_id)
+        return await self.client.start(body)
+
+
+class AsyncClient:
+    def __init__(self, url: str, *, prefix: str = "tl", max_query_chars: int | None = None,
+                 max_context_chars: int | None = None) -> None:
+        self.url = url
+        self.redis = aioredis.Redis.from_url(url)
+        self.keys = Keys(prefix)
+        self.max_query_chars = max_query_chars or _setting_default("max_query_chars")
+        self.max_context_chars = max_context_chars or _setting_default("max_context_chars")
+        self._submit = self.redis.register_script(lua.source("submit"))
+        self._delete = self.redis.register_script(lua.source("delete_conversation"))
+
+    @classmethod
+    def from_settings(cls, settings: Settings, url: str | None = None) -> AsyncClient:
+        target = url or settings.redis_url
+        if target is None:
+            raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
+        return cls(target, prefix=settings.prefix, max_query_chars=settings.max_query_chars,
+                   max_context_chars=settings.max_context_chars)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- turns ---------------------------------------------------------------------------------
+
+    async def submit(self, request: Mapping[str, Any]) -> AsyncTurnHandle:
+        """Enqueue a request as given (the workers check it), as `Client.submit`."""
+        body = {"schema": "threadline.turn/v1", **request}
+        body.setdefault("turn_id", uuid.uuid4().hex)
+        turn_id = str(body["turn_id"])
+        cid = str(body.get("conversation_id") or new_conversation_id(turn_id))
+        await self._enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=cid, turn_id=turn_id, owner=None)
+        return AsyncTurnHandle(turn_id, self)
+
+    async def start(self, request: Mapping[str, Any] | TurnRequest, *, owner: str | None = None) -> AsyncTurnHandle:
+        """Check, then enqueue, as `Client.start`."""
+        checked = checked_request(request, max_query_chars=self.max_query_chars,
+                                  max_context_chars=self.max_context_chars)
+        cid = checked.conversation_id or new_conversation_id(checked.turn_id)
+        created, existing = await self._enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (turn_body(checked),), conversation_id=cid,
+                                                turn_id=checked.turn_id, owner=owner)
+        if not created and existing != owner:
+            raise TurnIdTaken(f"turn_id {checked.turn_id} is taken")
+        return AsyncTurnHandle(checked.turn_id, self, request=checked, created=created)
+
+    async def _enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, conversation_id: str | None,
+                       turn_id: str | None, owner: str | None) -> tuple[bool, str]:
+        _, keys, argv = submit_call(self.keys, queue, actor, args, message_id=uuid.uuid4().hex,
+                                    conversation_id=conversation_id, turn_id=turn_id, owner=owner,
+                                    now_ms=int(time.time() * 1000))
+        return submitted(await self._submit(keys=keys, args=argv))
+
+    def handle(self, turn_id: str) -> AsyncTurnHandle:
+        return AsyncTurnHandle(turn_id, self)
+
+    async def owner(self, turn_id: str) -> str | None:
+        """As `Client.owner`."""
+        tenant, cid = await self.redis.hmget(self.keys.turn(turn_id), ["tenant_id", "conversation_id"])
+        conversation_tenant = None
+        if not tenant and cid:
+            conversation_tenant = await self.redis.hget(self.keys.conversation(_text(cid)), "tenant_id")
+        return owner_of(tenant, conversation_tenant)
+
+    async def cancel(self, turn_id: str, reason: str = "") -> str:
+        """As `Client.cancel`: "enqueued", or "noop: <status>" for a turn that already ended."""
+        from threadline.pipeline.events import TERMINAL_TYPES
+
+        status = _text(await self.redis.hget(self.keys.turn(turn_id), "status") or "")
+        if status in TERMINAL_TYPES:
+            return f"noop: {status}"
+        await self._enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason), conversation_id=None, turn_id=None,
+                            owner=None)
+        return "enqueued"
+
+    async def entries(self, turn_id: str, *, after: str = "0", follow: bool = False,
+                      timeout_s: float | None = None) -> AsyncIterator[tuple[str, Event]]:
+        """(stream entry id, event) after the entry id `after`; with `follow`, until the terminal one."""
+        key = self.keys.events(turn_id)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            block = read_block_ms(turn_id, follow=follow, deadline=deadline, timeout_s=timeout_s)
+            found = stream_entries(await self.redis.xread({key: after}, block=block, count=500))
+            for after, event in found:
+                yield after, event
+                if event.type in TERMINAL_EVENT_TYPES:
+                    return
+            if not follow and not found:
+                return
+
+    async def events(self, turn_id: str, *, after: str = "0", follow: bool = False,
+                     timeout_s: float | None = None) -> AsyncIterator[Event]:
+        async for _, event in self.entries(turn_id, after=after, follow=follow, timeout_s=timeout_s):
+            yield event
+
+    async def terminal(self, turn_id: str) -> Terminal | None:
+        from threadline.pipeline import events as ev
+
+        last: Any = await self.redis.xrevrange(self.keys.events(turn_id), count=1)
+        event = ev.decode(last[0][1][b"json"]) if last else None
+        return event if isinstance(event, ev.Terminal) else None
+
+    async def wait(self, turn_id: str, timeout_s: float | None = 60.0) -> Terminal:
+        from threadline.pipeline.events import Terminal
+
+        async for _, event in self.entries(turn_id, follow=True, timeout_s=timeout_s):
+            if isinstance(event, Terminal):
+                return event
+        raise TimeoutError(turn_id)
+
+    async def turn_state(self, turn_id: str) -> TurnState:
+        from .schema import TurnState, text_map
+
+        return TurnState.from_hash(text_map(await self.redis.hgetall(self.keys.turn(turn_id))))
+
+    # --- conversations -------------------------------------------------------------------------
+
+    async def conversation(self, conversation_id: str) -> ConversationRecord | None:
+        from .schema import conversation_from_hash, text_map
+
+        fields = text_map(await self.redis.hgetall(self.keys.conversation(conversation_id)))
+        return conversation_from_hash(conversation_id, fields)
+
+    async def conversations(self, tenant_id: str, *, limit: int = 50, offset: int = 0) -> list[ConversationRecord]:
+        """As `Client.conversations`."""
+        from .schema import conversation_from_hash, text_map
+
+        index = self.keys.tenant_conversations(tenant_id)
+        ids = [_text(cast(bytes, c)) for c in await self.redis.zrevrange(index, offset, offset + limit - 1)]
+        found: list[ConversationRecord] = []
+        for cid in ids:
+            record = conversation_from_hash(cid, text_map(await self.redis.hgetall(self.keys.conversation(cid))))
+            if record is None or record.tenant_id != tenant_id:
+                await self.redis.zrem(index, cid)
+            else:
+                found.append(record)
+        return found
+
+    async def messages(self, conversation_id: str) -> list[MessageRecord]:
+        from threadline.pipeline.records import MessageRecord
+
+        rows = await self.redis.hvals(self.keys.messages(conversation_id))
+        return sorted((MessageRecord.model_validate_json(r) for r in rows), key=lambda m: m.created_at)
+
+    async def thread(self, conversation_id: str, message_id: str | None = None) -> list[MessageRecord]:
+        """The path root → `message_id` (default: the tip), oldest first."""
+        from threadline.pipeline.history import extract_thread
+
+        conversation = await self.conversation(conversation_id)
+        if conversation is None:
+            return []
+        thread, _ = extract_thread(await self.messages(conversation_id), message_id or conversation.tip)
+        return thread
+
+    async def conversation_decisions(self, conversation_id: str) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        async for field, value in self.redis.hscan_iter(self.keys.decisions(conversation_id), count=500):
+            turn_id, _, stage = _text(cast(bytes, field)).rpartition(":")
+            out.setdefault(turn_id, {})[stage] = json.loads(value)
+        return out
+
+    async def delete_conversation(self, conversation_id: str, *, tenant_id: str | None = None) -> DeleteResult:
+        """As `Client.delete_conversation`."""
+        from threadline.pipeline.contracts import valid_id
+        from threadline.pipeline.stages import DEFAULT_GRAPH
+
+        from .store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
+
+        if valid_id(conversation_id) is None:
+            raise InvalidRequest(f"{conversation_id!r} is not a conversation id")
+        for _ in range(DELETE_ATTEMPTS):
+            rows = {_text(mid): turn_of_row(row)
+                    async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
+            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows)
+            result = delete_result(conversation_id, await self._delete(keys=keys, args=[arg]))
+            if result is not None:
+                return result
+        return DeleteResult("busy", conversation_id)
