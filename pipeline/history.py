@@ -1,22 +1,36 @@
 """The history stage's logic: the one path the model must see through a branching message tree, the
-pydantic-ai messages along it, and which of its whole turns fit the token budget (`budget.py`)."""
+pydantic-ai messages along it, and which of its whole turns fit the token budget (`budget.py`).
+
+Files of earlier turns are replayed by rule (`replay_files`): a vision model gets the images of the
+newest turn natively; every other file, an image of an older turn, a `data:` URL or a file over
+`MAX_NATIVE_FILE_BYTES` is replayed as its reference (name, type, size), not its bytes; a file the
+shell found missing or expired is left out. The shell checks the files of the thread read in one
+batch (`workers/files.py`) and passes what it found in."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import unquote, urlsplit
 
 from pydantic_ai.messages import (
+    FileUrl,
+    ImageUrl,
     ModelMessage,
     ModelMessagesTypeAdapter,
     ModelRequest,
+    ModelRequestPart,
     ModelResponse,
     TextPart,
+    UserContent,
     UserPromptPart,
 )
 from pydantic_core import ValidationError
 
 from .budget import BudgetParts, TurnCost, Window, choose_window
+from .contracts import FileRef
 from .errors import InvalidRequest, SnapshotCorrupt
 from .records import MessageRecord
 from .tokens import Tokenizer, count_messages
@@ -88,6 +102,117 @@ def summary_messages(text: str) -> list[ModelMessage]:
             ModelResponse(parts=[TextPart("Noted.")])]
 
 
+# --- files ----------------------------------------------------------------------------------------
+
+#: A vision model gets the images of this many of the newest history turns natively (the current
+#: turn's go with its query); older ones as references, so a long thread does not resend every image.
+NATIVE_IMAGE_TURNS = 1
+#: A file larger than this is replayed as its reference even to a vision model (providers cap an
+#: image at about 5 MB; Anthropic at 5 MB, OpenAI at 20 MB).
+MAX_NATIVE_FILE_BYTES = 5 * 1024 * 1024
+
+FileState = Literal["available", "missing", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileCheck:
+    """What the shell found at a file's URL: there (`size` from its Content-Length, if any), missing
+    or expired (4xx: left out of the history), or unknown (not checked, timed out, 5xx)."""
+
+    state: FileState
+    size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FileTally:
+    """The files of the kept turns: sent natively, replayed as references, left out as missing."""
+
+    kept: int = 0
+    replayed_as_reference: int = 0
+    missing: int = 0
+
+    def __add__(self, other: FileTally) -> FileTally:
+        return FileTally(self.kept + other.kept, self.replayed_as_reference + other.replayed_as_reference,
+                         self.missing + other.missing)
+
+
+def attachment_line(f: FileRef) -> str:
+    """How the current turn names a file to a model that does not take it natively."""
+    return f"[attached {f.type}{' ' + f.mime if f.mime else ''}: {f.url}]"
+
+
+def file_reference(f: FileRef, size: int | None) -> str:
+    """A file of an earlier turn as text: its name, type and size, never its bytes or a data URL."""
+    described = ", ".join(x for x in (f.type, f.mime, f"{size:,} bytes" if size is not None else None) if x)
+    return f"[file {file_name(f.url)}: {described}]"
+
+
+def file_name(url: str) -> str:
+    if url.startswith("data:"):
+        return "(inline data)"
+    parts = urlsplit(url)
+    return unquote(parts.path.rstrip("/").rsplit("/", 1)[-1]) or parts.netloc or url[:100]
+
+
+def data_url_size(url: str) -> int:
+    """The bytes a `data:` URL holds."""
+    header, _, payload = url.partition(",")
+    return len(payload) * 3 // 4 if header.endswith(";base64") else len(unquote(payload))
+
+
+def check_of(f: FileRef, checks: Mapping[str, FileCheck]) -> FileCheck:
+    if f.url.startswith("data:"):
+        return FileCheck("available", data_url_size(f.url))
+    return checks.get(f.url, FileCheck("unknown"))
+
+
+def replay_files(record: MessageRecord, messages: Sequence[ModelMessage], *, native: bool,
+                 checks: Mapping[str, FileCheck]) -> tuple[list[ModelMessage], FileTally]:
+    """`messages` of one stored turn with its files replayed by rule (see the module docstring):
+    `native` says whether its images may go natively (a vision model, a recent turn)."""
+    if not record.files:
+        return list(messages), FileTally()
+    by_url = {f.url: f for f in record.files}
+    by_line = {attachment_line(f): f for f in record.files}
+    tally = FileTally()
+    out: list[ModelMessage] = []
+    for message in messages:
+        if not isinstance(message, ModelRequest):
+            out.append(message)
+            continue
+        parts: list[ModelRequestPart] = []
+        for part in message.parts:
+            if isinstance(part, UserPromptPart) and not isinstance(part.content, str):
+                content, counted = _replay_content(part.content, by_url, by_line, native=native, checks=checks)
+                tally += counted
+                part = dataclasses.replace(part, content=content)
+            parts.append(part)
+        out.append(dataclasses.replace(message, parts=parts))
+    return out, tally
+
+
+def _replay_content(content: Sequence[UserContent], by_url: Mapping[str, FileRef], by_line: Mapping[str, FileRef],
+                    *, native: bool, checks: Mapping[str, FileCheck]) -> tuple[list[UserContent], FileTally]:
+    items: list[UserContent] = []
+    kept = referenced = missing = 0
+    for item in content:
+        f = by_url.get(item.url) if isinstance(item, FileUrl) else by_line.get(item) if isinstance(item, str) else None
+        if f is None:
+            items.append(item)
+            continue
+        check = check_of(f, checks)
+        if check.state == "missing":
+            missing += 1
+        elif (native and f.type == "image" and check.state == "available" and not f.url.startswith("data:")
+              and (check.size or 0) <= MAX_NATIVE_FILE_BYTES):
+            items.append(ImageUrl(url=f.url))
+            kept += 1
+        else:
+            items.append(file_reference(f, check.size))
+            referenced += 1
+    return items, FileTally(kept, referenced, missing)
+
+
 @dataclass(frozen=True, slots=True)
 class ThreadRead:
     """What the shell read for the history stage: the newest turns of the thread, walked back from
@@ -106,12 +231,25 @@ class ThreadRead:
     #: Running summaries found on the read thread (or the newest one below it), by watermark: (text,
     #: tokens its messages cost).
     summaries: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    #: What the shell found at the URLs of the read turns' files (one batch), by URL.
+    files: Mapping[str, FileCheck] = field(default_factory=dict)
+    #: The answering model takes images natively (`model.vision`).
+    vision: bool = False
+    #: The tokenizer itself, to count again the turns whose files are replayed differently from how
+    #: they were stored (None: their cached counts stand).
+    counter: Tokenizer | None = None
 
 
-def budgeted_history(read: ThreadRead, *, low_water: float) -> tuple[list[ModelMessage], Window, str | None]:
-    """The messages of the newest whole turns that fit the budget, the window they form, and the
-    watermark of the summary that stands in for the turns dropped before it (if any)."""
-    costs = [TurnCost(r.id, read.counts[r.id]) for r in read.rows]
+def budgeted_history(read: ThreadRead, *,
+                     low_water: float) -> tuple[list[ModelMessage], Window, str | None, dict[str, int]]:
+    """The messages of the newest whole turns that fit the budget, the window they form, the
+    watermark of the summary that stands in for the turns dropped before it (if any), and what
+    became of the kept turns' files (`FileTally`)."""
+    replayed = _replayed_turns(read)
+    counts = dict(read.counts)
+    if read.counter is not None:
+        counts.update({mid: count_messages(messages, read.counter) for mid, (messages, _) in replayed.items()})
+    costs = [TurnCost(r.id, counts[r.id]) for r in read.rows]
     window = choose_window(costs, budget=read.budget.history, previous_start=read.previous_start,
                            low_water=low_water)
     watermark = _summary_for(read, window) if window.dropped or not read.complete else None
@@ -123,10 +261,22 @@ def budgeted_history(read: ThreadRead, *, low_water: float) -> tuple[list[ModelM
         summary = summary_messages(text)
     kept = set(window.kept)
     messages = list(summary)
+    files = FileTally()
     for record in read.rows:
-        if record.id in kept:
+        if record.id in replayed and record.id in kept:
+            messages.extend(replayed[record.id][0])
+            files += replayed[record.id][1]
+        elif record.id in kept:
             messages.extend(turn_messages(record, read.snapshots.get(record.id)))
-    return messages, window, watermark
+    return messages, window, watermark, dataclasses.asdict(files)
+
+
+def _replayed_turns(read: ThreadRead) -> dict[str, tuple[list[ModelMessage], FileTally]]:
+    """The read turns that carry files, with their files replayed by rule."""
+    native_from = len(read.rows) - NATIVE_IMAGE_TURNS
+    return {record.id: replay_files(record, turn_messages(record, read.snapshots.get(record.id)),
+                                    native=read.vision and i >= native_from, checks=read.files)
+            for i, record in enumerate(read.rows) if record.files}
 
 
 def _summary_for(read: ThreadRead, window: Window) -> str | None:

@@ -53,7 +53,7 @@ from .contracts import Usage
 from .errors import ErrorCode, ThreadlineError
 from .events import TerminalType
 from .guards import check_text, guarded_exchange, scrub_responses, spoken_text
-from .history import encode_messages
+from .history import attachment_line, encode_messages
 from .limits import limit_messages, truncate_text
 from .persist import prepare_snapshot, run_answer, run_usage
 from .records import ResolvedTurn, ToolActivity
@@ -126,10 +126,7 @@ def user_prompt(turn: ResolvedTurn, *, vision: bool) -> str | list[UserContent] 
         return turn.query
     content: list[UserContent] = [turn.query]
     for f in turn.files:
-        if vision and f.type == "image":
-            content.append(ImageUrl(url=f.url))
-        else:
-            content.append(f"[attached {f.type}{' ' + f.mime if f.mime else ''}: {f.url}]")
+        content.append(ImageUrl(url=f.url) if vision and f.type == "image" else attachment_line(f))
     return content
 
 

@@ -128,7 +128,7 @@ class StageGraph:
 def history_stage(given: StageInput) -> StageOutput:
     """The newest whole turns of the thread that fit the token budget (the shell reads the thread)."""
     read: ThreadRead = given.loaded["thread"]
-    messages, window, summary = budgeted_history(read, low_water=given.turn.config.memory.low_water)
+    messages, window, summary, files = budgeted_history(read, low_water=given.turn.config.memory.low_water)
     budget = read.budget
     record = {
         "tokenizer": read.tokenizer,
@@ -140,6 +140,7 @@ def history_stage(given: StageInput) -> StageOutput:
         "read": {"turns": len(read.rows), "complete": read.complete},
         "summary": {"watermark": summary, "tokens": read.summaries[summary][1]} if summary else None,
         "messages_out": len(messages),
+        "files": files,
     }
     return StageOutput(encode_messages(messages).decode(), record)
 

@@ -68,6 +68,8 @@ class WorkerPool:
             "REDIS_URL": url,
             "TL_PREFIX": prefix,
             "TL_ALLOW_PYTHON_PLUGINS": "1",
+            # the file server of tests/workers/test_files.py is on 127.0.0.1, which `public` never asks
+            "TL_FILE_CHECK": "all",
             "TL_MAX_QUERY_CHARS": "2000",
             "TL_LOG_FORMAT": "json",
             "TL_LOG_LEVEL": "INFO",

@@ -1,6 +1,7 @@
 """The deploy files as data: compose, the Dockerfile and `/.dockerignore`, the Kubernetes manifests,
-the systemd unit and `.env.example` parsed and checked (no container engine needed); and the health
-check they all run, against a real `threadline worker` supervisor."""
+the systemd unit and `.env.example` parsed and checked (no container engine needed); the health
+check they all run, against a real `threadline worker` supervisor; and the gateway's probe paths,
+against its app."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from threadline.workers import metrics
 from threadline.workers.actors import queues as all_queues
 from threadline.workers.keys import Keys
 from threadline.workers.operations import Operations
+from threadline.workers.settings import Settings
+from threadline.workers.worker import KILL_MARGIN_S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -42,7 +45,11 @@ HEALTHCHECK = DEPLOY / "healthcheck.py"
 SECRET_NAME = re.compile(r"_KEY$|SECRET|PASSWORD|TOKEN|_AUTH$|^REDIS_URL$")
 #: Variables of the deploy files themselves, not of Threadline: compose's and Redis's.
 DEPLOY_ONLY = {"REDIS_PASSWORD", "REDISCLI_AUTH"}
-MIN_GRACE_S = 15
+#: A worker container's stop takes the children's grace (TL_SHUTDOWN_GRACE_S, default 5 s) and the
+#: supervisor's kill margin, then the interpreter's exit: every stop timeout gives it twice that.
+MIN_GRACE_S = 2 * (Settings.from_env({}).shutdown_grace_s + KILL_MARGIN_S)
+#: The gateway's port in every file (`threadline gateway --port`).
+GATEWAY_PORT = 8080
 
 Doc = dict[str, Any]
 
@@ -144,8 +151,18 @@ def assert_no_plaintext_secret(name: str, value: object) -> None:
 # --- compose ----------------------------------------------------------------------------------------
 
 
+def ours(services: dict[str, Doc], command: str) -> dict[str, Doc]:
+    """The services of our image running `threadline <command>`."""
+    return {name: s for name, s in services.items()
+            if str(s.get("image", "")).startswith("threadline") and s["command"][0] == command}
+
+
 def worker_services() -> dict[str, Doc]:
-    return {name: s for name, s in compose()["services"].items() if str(s.get("image", "")).startswith("threadline")}
+    return ours(compose()["services"], "worker")
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
 
 
 def test_compose_redis_is_persistent_protected_and_checked() -> None:
@@ -194,6 +211,29 @@ def assert_groups_serve_every_queue(groups: dict[str, list[str]]) -> None:
 
 def test_compose_worker_groups_serve_every_queue() -> None:
     assert_groups_serve_every_queue({name: queue_flags(s["command"]) for name, s in worker_services().items()})
+
+
+def test_compose_gateway_waits_for_redis_and_is_checked_on_its_healthz() -> None:
+    services = compose()["services"]
+    (gateway,) = ours(services, "gateway").values()
+    command = gateway["command"]
+    port = int(flag(command, "--port"))
+    assert flag(command, "--host") == "0.0.0.0", "else it answers only inside its container"
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert ".env" in gateway["env_file"] and seconds(gateway["stop_grace_period"]) >= MIN_GRACE_S
+    assert_pinned(gateway["image"], ours=True)
+    # the image it runs has the gateway's extra: the same build as the workers'
+    assert gateway["build"] == next(iter(worker_services().values()))["build"]
+    assert "gateway" in gateway["build"]["args"]["EXTRAS"].split(",")
+    assert [p.rsplit(":", 1)[1] for p in gateway["ports"]] == [str(port)]
+    assert all(p.startswith("127.0.0.1:") for p in gateway["ports"]), "not on every interface of the host"
+    test = gateway["healthcheck"]["test"]
+    assert test[:2] == ["CMD", Path(installed_healthcheck()).name]
+    assert flag(test, "--url") == f"http://127.0.0.1:{port}/healthz"
+    for variable, value in gateway["environment"].items():
+        assert variable in KNOWN, f"gateway: {variable} is no Threadline setting"
+        assert_no_plaintext_secret(variable, value)
+    assert gateway["environment"]["REDIS_URL"] == next(iter(worker_services().values()))["environment"]["REDIS_URL"]
 
 
 def test_env_example_names_only_known_variables_and_holds_no_secret() -> None:
@@ -247,7 +287,10 @@ def test_dockerfile_runs_as_its_user_with_a_data_dir_it_owns_and_a_healthcheck()
     assert re.search(rf'CMD \["{re.escape(Path(installed_healthcheck()).name)}"', healthcheck)
     assert re.search(r"--start-period=\d+s", healthcheck)
     assert instructions("ENTRYPOINT") == ['["threadline"]'], "the supervisor is PID 1: the health check's --parent"
-    assert instructions("EXPOSE") == [dockerfile_env()["TL_METRICS_PORT"]], "the port /metrics and /healthz are on"
+    (exposed,) = instructions("EXPOSE")
+    assert exposed.split() == [dockerfile_env()["TL_METRICS_PORT"], str(GATEWAY_PORT)], "/metrics and the gateway"
+    (extras,) = [args for args in instructions("ARG") if args.startswith("EXTRAS=")]
+    assert {"providers", "gateway"} <= set(extras.split("=", 1)[1].split(",")), "one image for workers and gateway"
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------
@@ -262,8 +305,13 @@ def selects(selector: Doc, labels: dict[str, str]) -> bool:
     return bool(selector["matchLabels"].items() <= labels.items())
 
 
+def worker_deployments() -> list[Doc]:
+    return [d for d in of_kind("Deployment") if pod_spec(d)["containers"][0]["args"][0] == "worker"]
+
+
 def test_worker_deployments_have_probes_resources_and_grace() -> None:
-    deployments = of_kind("Deployment")
+    assert {d["metadata"]["name"] for d in of_kind("Deployment")} == {"worker-invoke", "worker-fast", "gateway"}
+    deployments = worker_deployments()
     assert {d["metadata"]["name"] for d in deployments} == {"worker-invoke", "worker-fast"}
     data_dir = dockerfile_env()["TL_DATA_DIR"]
     for deployment in deployments:
@@ -302,7 +350,7 @@ def test_worker_deployments_read_only_known_settings_and_secrets_by_reference() 
     secrets = {d["metadata"]["name"]: d.get("stringData", {}) for d in of_kind("Secret")}
     settings = named("ConfigMap", "threadline-settings")["data"]
     assert set(settings) <= KNOWN
-    for deployment in of_kind("Deployment"):
+    for deployment in worker_deployments():
         (container,) = pod_spec(deployment)["containers"]
         for variable in container["env"]:
             assert variable["name"] in KNOWN, variable
@@ -319,7 +367,7 @@ def test_worker_deployments_read_only_known_settings_and_secrets_by_reference() 
 
 def test_worker_deployments_serve_every_queue() -> None:
     assert_groups_serve_every_queue({d["metadata"]["name"]: queue_flags(pod_spec(d)["containers"][0]["args"])
-                                     for d in of_kind("Deployment")})
+                                     for d in worker_deployments()})
 
 
 def test_each_worker_group_has_a_disruption_budget_of_its_own() -> None:
@@ -333,6 +381,61 @@ def test_each_worker_group_has_a_disruption_budget_of_its_own() -> None:
             assert covering[0]["spec"].get("maxUnavailable", 0) >= 1 or covering[0]["spec"].get("minAvailable")
         else:
             assert not covering, "a budget on the single Redis would block every drain of its node"
+
+
+#: Where each probe of the gateway points: readiness asks Redis (`/healthz`); liveness and start-up
+#: only that the app answers HTTP (its OpenAPI document), so that a Redis outage never restarts it.
+GATEWAY_PROBES = {"startupProbe": "/openapi.json", "readinessProbe": "/healthz", "livenessProbe": "/openapi.json"}
+
+
+def test_gateway_deployment_has_probes_resources_grace_and_a_service() -> None:
+    deployment = named("Deployment", "gateway")
+    spec = pod_spec(deployment)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selects(deployment["spec"]["selector"], labels)
+    assert spec["terminationGracePeriodSeconds"] >= MIN_GRACE_S
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    (container,) = spec["containers"]
+    assert_pinned(container["image"], ours=True)
+    args = container["args"]
+    assert args[0] == "gateway" and flag(args, "--host") == "0.0.0.0"
+    port = int(flag(args, "--port"))
+    assert port == GATEWAY_PORT
+    named_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe, path in GATEWAY_PROBES.items():
+        get = container[probe]["httpGet"]
+        assert named_ports.get(get["port"], get["port"]) == port, f"{probe} aims at {get['port']}, not {port}"
+        assert get["path"] == path, probe
+    resources = container["resources"]
+    assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    secrets = {d["metadata"]["name"]: d.get("stringData", {}) for d in of_kind("Secret")}
+    for variable in container["env"]:
+        assert variable["name"] in KNOWN, variable
+        ref = variable["valueFrom"]["secretKeyRef"]
+        assert ref["key"] in secrets[ref["name"]], ref
+    assert "REDIS_URL" in {v["name"] for v in container["env"]}
+    # it calls no model: no model keys in its environment
+    assert container["envFrom"] == [{"configMapRef": {"name": "threadline-settings"}}]
+    service = named("Service", "threadline-gateway")
+    assert selects({"matchLabels": service["spec"]["selector"]}, labels)
+    assert {named_ports.get(p["targetPort"], p["targetPort"]) for p in service["spec"]["ports"]} == {port}
+
+
+@pytest.mark.integration
+def test_the_gateway_serves_its_probe_paths_and_only_readiness_asks_redis(redis_url: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from threadline.workers.gateway import create_app
+
+    settings = Settings.from_env({"TL_PREFIX": f"tld{uuid.uuid4().hex[:6]}"})
+    with TestClient(create_app(settings, redis_url)) as up:
+        for path in sorted(set(GATEWAY_PROBES.values())):
+            assert up.get(path).status_code == 200, path
+    dead_redis = f"redis://127.0.0.1:{closed_port()}/0"
+    with TestClient(create_app(settings, dead_redis)) as down:
+        assert down.get("/healthz").status_code == 503
+        assert down.get(GATEWAY_PROBES["livenessProbe"]).status_code == 200
 
 
 def test_secrets_in_the_repository_are_empty_and_never_applied() -> None:
@@ -486,11 +589,17 @@ def test_healthcheck_follows_the_supervisor_and_redis(supervisor: subprocess.Pop
                    == (0, "healthy"), timeout_s=30, interval_s=0.3)
     assert healthy, healthcheck("--parent", parent, "--min-age-s", "0.5", env={"REDIS_URL": redis_url})
     # the manifests' HTTP probes, against the supervisor itself
-    paths = {path for d in of_kind("Deployment") for path in probe_paths(pod_spec(d)["containers"][0]).values()}
+    paths = {path for d in worker_deployments() for path in probe_paths(pod_spec(d)["containers"][0]).values()}
     for path in sorted(paths):
         assert poll(lambda path=path: http_status(metrics_port, path) == 200, timeout_s=15), path
     code, out = healthcheck("--parent", parent, "--min-age-s", "600", env={"REDIS_URL": redis_url})
     assert code == 1 and "none up for 600 s" in out, out
+    # `--url`, as the gateway's container runs it: any server's health endpoint, 2xx or not
+    assert healthcheck("--url", f"http://127.0.0.1:{metrics_port}/healthz") == (0, "healthy")
+    code, out = healthcheck("--url", f"http://127.0.0.1:{metrics_port}/nothing-here")
+    assert code == 1 and "answered 404" in out, out
+    code, out = healthcheck("--url", f"http://127.0.0.1:{closed_port()}/healthz", "--timeout-s", "1")
+    assert code == 1 and "did not answer" in out, out
 
     dead_redis = f"redis://:hunter2-not-a-secret@127.0.0.1:{closed_port()}/0"
     code, out = healthcheck("--parent", parent, "--min-age-s", "0", env={"REDIS_URL": dead_redis})

@@ -379,18 +379,20 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     try:
         import uvicorn
 
-        from .gateway import create_app
+        from .gateway import CONSOLE_DIR, create_app
     except ImportError as e:
         raise Exit(EXIT_BAD_INPUT, f"the gateway needs its extra: pip install 'threadline[gateway]' ({e.name} "
                                    "is missing)") from None
     from .logs import configure_logging
 
+    console = None if args.no_console else args.console or CONSOLE_DIR
+    if console is not None and not console.is_dir():
+        raise Exit(EXIT_BAD_INPUT, f"--console {console}: not a directory")
     configure_logging(settings)
     url = join(settings)
     redis.Redis.from_url(url).ping()  # unreachable: one line and exit 4, before the port is taken
     print(f"threadline: gateway on http://{args.host}:{args.port} for {display_url(url)}", file=sys.stderr)
-    uvicorn.run(create_app(settings, url, console_dir=args.console), host=args.host, port=args.port,
-                log_level="warning")
+    uvicorn.run(create_app(settings, url, console_dir=console), host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -410,7 +412,10 @@ def add_gateway_parsers(sub: Any) -> None:
     gateway = sub.add_parser("gateway", help="serve the HTTP + SSE API (needs the `gateway` extra)")
     gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     gateway.add_argument("--port", type=at_least_one, default=8080, help="port to listen on (default 8080)")
-    gateway.add_argument("--console", type=Path, default=None, help="a directory of static files served at /")
+    console = gateway.add_mutually_exclusive_group()
+    console.add_argument("--console", type=Path, default=None, metavar="DIR",
+                         help="a directory of static files served at / (default: the built-in web console)")
+    console.add_argument("--no-console", action="store_true", help="serve the API only, nothing at /")
     gateway.set_defaults(func=cmd_gateway)
     keys = sub.add_parser("keys", help="the gateway's API keys").add_subparsers(dest="keys", required=True)
     create = keys.add_parser("create", help="make an API key for a tenant; it is printed once (only its hash "

@@ -45,6 +45,8 @@ from .settings import Settings
 
 #: Seconds between keep-alive comments on an idle event stream (proxies close silent connections).
 PING_S = 15
+#: The web console shipped with the package (plain HTML, CSS and JS: no build step), served at `/`.
+CONSOLE_DIR = Path(__file__).resolve().parent / "console"
 _STREAM_ID = re.compile(r"^(\d{1,19})(?:-(\d{1,19}))?$")
 
 
@@ -180,9 +182,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(redis.TimeoutError, unavailable)
 
 
-def create_app(settings: Settings, url: str, *, console_dir: Path | None = None) -> FastAPI:
+def create_app(settings: Settings, url: str, *, console_dir: Path | None = CONSOLE_DIR) -> FastAPI:
     """The gateway's ASGI app on the server at `url`. `console_dir`: static files served at `/`
-    (the web console), after every API route."""
+    after every API route (default: the web console; None: no console)."""
     gw = Gateway(settings, url)
 
     @asynccontextmanager

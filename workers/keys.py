@@ -62,7 +62,9 @@ class Keys:
         return f"{self.prefix}:conv:{{{conversation_id}}}:snaps"
 
     def token_counts(self, conversation_id: str) -> str:
-        """Hash: `<message id>|<tokenizer>` -> the tokens that turn costs in a history (counted once)."""
+        """Hash: `<message id>|<tokenizer>` -> the tokens that turn costs in a history (counted once);
+        `<message id>|version` -> its content version once compaction rewrote its snapshot, counted
+        then under `<message id>#<version>|<tokenizer>` (`store.count_field`)."""
         return f"{self.prefix}:conv:{{{conversation_id}}}:tokens"
 
     def summaries(self, conversation_id: str) -> str:

@@ -12,6 +12,7 @@ from threadline.pipeline.invoke import run_instructions, user_prompt
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
 from threadline.pipeline.tokens import MESSAGE_OVERHEAD_TOKENS, Tokenizer, count_messages, count_tool_definitions
 
+from .files import check_files
 from .models import build_tools
 from .runtime import Runtime
 from .tokenizers import load_tokenizer
@@ -77,8 +78,11 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
         if not found and rows[0].parent_id:
             found = await _summary_below(rt, cid, rows[0].parent_id, limit)
         summaries = {mid: (text, count_messages(summary_messages(text), tokenizer)) for mid, text in found.items()}
+    # the files of the turns read, asked about in one batch (the history keeps some of these turns)
+    files = await check_files((f.url for r in rows for f in r.files), mode=rt.settings.file_check)
     return ThreadRead(rows=rows, snapshots=snapshots, counts=counts, complete=not rows or rows[0].parent_id is None,
-                      previous_start=previous_start, budget=budget, tokenizer=tokenizer.name, summaries=summaries)
+                      previous_start=previous_start, budget=budget, tokenizer=tokenizer.name, summaries=summaries,
+                      files=files, vision=spec.vision, counter=tokenizer)
 
 
 async def _summary_below(rt: Runtime, cid: str, start: str, limit: int) -> dict[str, str]:
@@ -106,13 +110,14 @@ async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: 
     """Token counts of `chain`'s turns: cached ones read, the others counted once and cached (their
     snapshots, read to count them, are added to `snapshots` so that they are read once)."""
     ids = [r.id for r in chain]
-    counts = await rt.store.token_counts(cid, ids, tokenizer.name)
+    cached = await rt.store.token_counts(cid, ids, tokenizer.name)
+    counts = cached.counts
     missing = [r for r in chain if r.id not in counts]
     if missing:
         snapshots = await rt.store.load_snapshots(cid, [r.id for r in missing])
         # counting is CPU work: off the event loop, so the process's other turns keep streaming
         fresh = await asyncio.to_thread(lambda: {r.id: count_turn(r, snapshots.get(r.id), tokenizer) for r in missing})
-        await rt.store.save_token_counts(cid, fresh, tokenizer.name)
+        await rt.store.save_token_counts(cid, fresh, tokenizer.name, versions=cached.versions)
         counts.update(fresh)
     return counts
 

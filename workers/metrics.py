@@ -5,8 +5,9 @@ The supervisor hands its worker processes a directory of their own (prometheus-c
 multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`): each process writes its samples there, and a scrape
 of the supervisor sums them — one port per machine or pod, however many processes run, which is
 what a Kubernetes scrape and probe want. What Redis says of the queues (the reads of `threadline
-status`, `Operations.status`) is read on each scrape, by the supervisor only. Without
-`TL_METRICS_PORT` nothing is served and each process counts in memory only.
+status`, `Operations.status`) is read on each scrape, by the supervisor only. It serves on
+`TL_METRICS_PORT` (default 9464); with 0, or when the port is taken (a second supervisor on the
+host), nothing is served and each process counts in memory only.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ _QUEUE_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("threadline_queue_in_progress", "in_progress", "Messages of a queue fetched by workers and not acked yet"),
     ("threadline_queue_dead", "dead", "Dead letters of a queue (bodies kept)"),
     ("threadline_queue_oldest_age_seconds", "oldest_age_s", "Age of the oldest message waiting on a queue (0: none)"),
+    ("threadline_queue_consumers", "consumers", "Live worker processes consuming a queue (their heartbeats say)"),
 )
 
 
@@ -133,7 +135,7 @@ class QueueCollector(Collector):
         yield _gauge("threadline_turns_in_flight", "Turns between admission and their end", status.turns.count)
         yield _gauge("threadline_oldest_turn_age_seconds", "Age of the oldest turn in flight (0: none)",
                      status.turns.oldest_age_s or 0)
-        yield _gauge("threadline_workers_alive", "Worker processes with a fresh dramatiq heartbeat",
+        yield _gauge("threadline_workers_alive", "Worker processes whose heartbeat has not expired",
                      status.workers_alive)
 
 
@@ -157,6 +159,12 @@ class MetricsServer:
         from .keys import Keys
         from .operations import Operations
 
+        # the port first: taken, it is an OSError before anything needs cleaning up
+        try:
+            self._server = make_server(host, port, self._app, server_class=_ThreadingServer, handler_class=_Quiet)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot serve metrics on TL_METRICS_PORT {port}: {e.strerror}") from None
+        self.port: int = self._server.server_port
         self.directory = Path(tempfile.mkdtemp(prefix="threadline-metrics-"))
         self.children = children
         self._redis = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
@@ -164,11 +172,6 @@ class MetricsServer:
         MultiProcessCollector(self.registry, path=str(self.directory))  # type: ignore[no-untyped-call]
         self.registry.register(QueueCollector(Operations(self._redis, Keys(prefix))))
         self._metrics_app = make_wsgi_app(self.registry)
-        try:
-            self._server = make_server(host, port, self._app, server_class=_ThreadingServer, handler_class=_Quiet)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot serve metrics on TL_METRICS_PORT {port}: {e.strerror}") from None
-        self.port: int = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="threadline-metrics", daemon=True)
 
     def child_env(self) -> dict[str, str]:

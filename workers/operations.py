@@ -1,7 +1,8 @@
 """What an operator asks a running deployment: the queues (waiting, delayed, in progress, dead, age
-of the oldest message), the workers alive, the turns in flight, the dead letters (listed, shown,
-replayed, purged) and a tenant's usage counters. Sync, over one `redis.Redis` and the `Keys`; it
-reads dramatiq's RedisBroker layout under `<prefix>:q` and writes only through its two scripts.
+of the oldest message, consumers), the worker processes alive (their heartbeats), the turns in
+flight, the dead letters (listed, shown, replayed, purged) and a tenant's usage counters. Sync, over
+one `redis.Redis` and the `Keys`; it reads dramatiq's RedisBroker layout under `<prefix>:q` and the
+worker heartbeats, and writes only through its two scripts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import redis
-from dramatiq.brokers.redis import DEFAULT_HEARTBEAT_TIMEOUT
 
 from threadline.pipeline.redact import redact, redact_value
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
@@ -49,6 +49,21 @@ class QueueStatus:
     dead: int
     #: Seconds since the oldest waiting message was enqueued (None: none waits).
     oldest_age_s: float | None
+    #: Live worker processes that consume the queue (0: its messages wait for nobody).
+    consumers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A live worker process, as its heartbeat (`Keys.worker`) describes it."""
+
+    worker_id: str
+    pid: int | None
+    host: str
+    #: The queues it consumes.
+    queues: tuple[str, ...]
+    #: When it started (epoch seconds; None: not said).
+    since: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +80,14 @@ class InFlight:
 @dataclass(frozen=True, slots=True)
 class Status:
     queues: tuple[QueueStatus, ...]
-    #: Worker processes whose dramatiq heartbeat is fresher than the heartbeat timeout.
+    #: Worker processes whose heartbeat has not expired (it expires `TL_WORKER_TIMEOUT_S` after the
+    #: last renewal, and goes at once when a process stops).
     workers_alive: int
-    #: Worker ids still in the heartbeat set (dead ones stay until dramatiq's maintenance drops them).
+    #: Worker ids still in dramatiq's heartbeat set (dead ones stay until dramatiq's maintenance drops them).
     workers_known: int
     turns: InFlight
+    #: The live worker processes, by worker id.
+    workers: tuple[WorkerStatus, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +122,10 @@ class TenantUsage:
 
 
 class Operations:
-    def __init__(self, client: redis.Redis, keys: Keys, *, graph: StageGraph = DEFAULT_GRAPH,
-                 heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, *, graph: StageGraph = DEFAULT_GRAPH) -> None:
         self.redis = client
         self.keys = keys
         self.queues: tuple[str, ...] = graph_queues(graph)
-        self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self._replay = client.register_script(lua.source("dead_letter_replay"))
         self._purge = client.register_script(lua.source("dead_letter_purge"))
 
@@ -117,8 +133,9 @@ class Operations:
 
     def status(self, *, now: float | None = None) -> Status:
         now = time.time() if now is None else now
+        # dramatiq's broker ids: whose ack sets hold the messages fetched and not acked
         workers = _scored(self.redis.zrange(self.keys.heartbeats(), 0, -1, withscores=True))
-        alive = sum(1 for _, beat in workers if beat > now * 1000 - self.heartbeat_timeout_ms)
+        live = self.live_workers()
         pipe = self.redis.pipeline(transaction=False)
         for q in self.queues:
             pipe.llen(self.keys.queue(q))
@@ -132,8 +149,18 @@ class Operations:
         for q in self.queues:
             depth, delayed, dead, head = next(replies), next(replies), next(replies), next(replies)
             in_progress = sum(next(replies) for _ in workers)
-            queues.append(QueueStatus(q, depth, delayed, in_progress, dead, self._oldest_age(q, head, now)))
-        return Status(tuple(queues), alive, len(workers), self._in_flight(now))
+            consumers = sum(1 for w in live if q in w.queues)
+            queues.append(QueueStatus(q, depth, delayed, in_progress, dead, self._oldest_age(q, head, now), consumers))
+        return Status(tuple(queues), len(live), len(workers), self._in_flight(now), live)
+
+    def live_workers(self) -> tuple[WorkerStatus, ...]:
+        """The worker processes whose heartbeat key still lives (the registry lists every process not
+        yet reaped; the key expires with its heartbeat), ordered by worker id."""
+        ids = sorted(text(w) for w in cast(list[bytes], self.redis.hkeys(self.keys.workers())))
+        if not ids:
+            return ()
+        beats = cast(list[bytes | None], self.redis.mget([self.keys.worker(w) for w in ids]))
+        return tuple(_worker(w, beat) for w, beat in zip(ids, beats, strict=True) if beat is not None)
 
     def _oldest_age(self, queue: str, ids: Sequence[bytes], now: float) -> float | None:
         if not ids:
@@ -254,6 +281,20 @@ class Operations:
 def _scored(reply: Any) -> list[tuple[str, float]]:
     """A ZRANGE WITHSCORES reply as (member, score) pairs."""
     return [(text(member), float(score)) for member, score in cast(list[tuple[bytes, float]], reply)]
+
+
+def _worker(worker_id: str, beat: bytes) -> WorkerStatus:
+    """A heartbeat's JSON (`pid`, `host`, `queues`, `since`) as a `WorkerStatus`; what it lacks or
+    gets wrong is left unknown (a process alive all the same)."""
+    info = _decode(beat) or {}
+    pid, since, queues = info.get("pid"), info.get("since"), info.get("queues")
+    return WorkerStatus(
+        worker_id,
+        pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+        str(info.get("host") or ""),
+        tuple(q for q in queues if isinstance(q, str)) if isinstance(queues, list) else (),
+        float(since) if isinstance(since, int | float) and not isinstance(since, bool) else None,
+    )
 
 
 def _decode(body: bytes) -> dict[str, Any] | None:

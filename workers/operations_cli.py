@@ -84,9 +84,12 @@ def _when(epoch_s: float) -> str:
 
 
 def render_status(status: Status) -> list[str]:
-    lines = [f"{'queue':<12} {'waiting':>8} {'delayed':>8} {'running':>8} {'dead':>6} {'oldest':>9}"]
+    lines = [f"{'queue':<12} {'waiting':>8} {'delayed':>8} {'running':>8} {'dead':>6} {'oldest':>9} {'consumers':>9}"]
     lines += [f"{q.name:<12} {q.depth:>8} {q.delayed:>8} {q.in_progress:>8} {q.dead:>6} {_seconds(q.oldest_age_s):>9}"
-              for q in status.queues]
+              f" {q.consumers:>9}" for q in status.queues]
+    unserved = [q.name for q in status.queues if not q.consumers]
+    if unserved and status.workers_alive:
+        lines.append(f"no worker consumes: {', '.join(unserved)}")
     lines.append(f"workers alive: {status.workers_alive} (known {status.workers_known})")
     turns = status.turns
     oldest = (f" (oldest {turns.oldest_turn_id}: {_seconds(turns.oldest_age_s)}, "
@@ -186,8 +189,8 @@ def add_operations_parser(sub: Any) -> None:
     """`threadline status`, `threadline dead-letters ...`, `threadline usage TENANT`."""
     as_json = {"action": "store_true", "help": "print JSON"}
     queue = {"metavar": "QUEUE", "help": "only this queue (a stage's queue or control)"}
-    status = sub.add_parser("status", help="queues (waiting, delayed, running, dead, oldest), workers alive, "
-                                           "turns in flight")
+    status = sub.add_parser("status", help="queues (waiting, delayed, running, dead, oldest, consumers), workers "
+                                           "alive, turns in flight")
     status.add_argument("--json", **as_json)
     status.set_defaults(func=command(cmd_status))
 

@@ -23,8 +23,16 @@ from pydantic import ValidationError
 from pydantic_ai import CancellationToken
 
 from threadline.pipeline import events
-from threadline.pipeline.compaction import SUMMARISE_PROMPT, summariser_history, summary_record, window_start
-from threadline.pipeline.config import TRUSTED
+from threadline.pipeline.compaction import (
+    SUMMARISE_PROMPT,
+    clear_snapshots,
+    clearing_due,
+    summariser_history,
+    summary_record,
+    turns_to_clear,
+    window_start,
+)
+from threadline.pipeline.config import TRUSTED, AgentConfig, CompactionSpec
 from threadline.pipeline.contracts import (
     Envelope,
     TurnRequest,
@@ -36,7 +44,7 @@ from threadline.pipeline.contracts import (
 )
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
 from threadline.pipeline.guards import stream_guard
-from threadline.pipeline.history import decode_messages, turn_messages
+from threadline.pipeline.history import decode_messages, encode_messages, turn_messages
 from threadline.pipeline.invoke import (
     InvokeOutcome,
     TurnDeps,
@@ -50,6 +58,7 @@ from threadline.pipeline.records import ConversationRecord, MessageRecord, Resol
 from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
 from threadline.pipeline.stages import Stage, StageInput
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
+from threadline.pipeline.tokens import count_messages
 
 from . import metrics, tracing
 from .control import CANCEL_ACTOR, CONTROL_QUEUE
@@ -58,6 +67,7 @@ from .loaders import LOADERS
 from .runtime import Runtime
 from .store import WAKE_ID, Accept, Begin, Finish, Next
 from .stream import TurnStream
+from .tokenizers import load_tokenizer
 from .wire import build_message
 
 log = structlog.get_logger(__name__)
@@ -298,8 +308,9 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
 
 
 async def run_compaction(rt: Runtime, stage: Stage, envelope: object) -> None:
-    """Summarise the turns that fell out of an ended turn's window into the running summary of its
-    thread (best effort: a failure is logged, and the next turn's compaction covers the same turns)."""
+    """After a turn ended: clear old tool results when its window was cut, then summarise the turns
+    that fell out of its window into the running summary of its thread (best effort: a failure is
+    logged, and a later turn's compaction covers the same turns); its decision record says what it did."""
     if (env := await _envelope(rt, stage, envelope)) is None or env.conversation_id is None:
         return
     store, cid = rt.store, env.conversation_id
@@ -307,16 +318,23 @@ async def run_compaction(rt: Runtime, stage: Stage, envelope: object) -> None:
     if conversation is None:
         return
     config, _ = await store.load_config(conversation.agent_id, ConfigRef.parse(conversation.config_ref))
-    spec = config.memory.compaction
-    if spec is None:
+    if config.memory.compaction is None:
         return
-    start = None
-    for transform in rt.graph.of_kind("transform"):
-        start = start or window_start(await store.decision(cid, env.turn_id, transform.name))
-    first_kept = await store.message(cid, start) if start else None
+    decisions = [await store.decision(cid, env.turn_id, t.name) for t in rt.graph.of_kind("transform")]
+    record: dict[str, Any] = {"tool_results": None}
+    if any(clearing_due(d) for d in decisions) or await _clearing_owed(rt, cid, env.turn_id, stage.name):
+        record["tool_results"] = await _clear_old_tool_results(rt, cid, env.turn_id, config)
+    start = next((found for d in decisions if (found := window_start(d))), None)
+    record["summary"] = await _summarise(rt, cid, start, config.memory.compaction)
+    await store.save_decision(cid, env.turn_id, stage.name, record)
+
+
+async def _summarise(rt: Runtime, cid: str, start: str | None, spec: CompactionSpec) -> dict[str, Any] | None:
+    """The new running summary for the turns before the window `start`, if there is something new."""
+    first_kept = await rt.store.message(cid, start) if start else None
     watermark = first_kept.parent_id if first_kept else None  # the newest turn the window dropped
-    if watermark is None or await store.summaries(cid, [watermark]):
-        return
+    if watermark is None or await rt.store.summaries(cid, [watermark]):
+        return None
     turns, previous, since = await _unsummarised(rt, cid, watermark)
     try:
         agent = rt.agent(spec.summariser, [])
@@ -324,12 +342,57 @@ async def run_compaction(rt: Runtime, stage: Stage, envelope: object) -> None:
                                  deps=TurnDeps(now=rt.now))
     except Exception as e:
         log.warning("compaction_failed", error=type(e).__name__)
-        return
+        return {"watermark": watermark, "error": type(e).__name__}
     text = result.output if isinstance(result.output, str) else ""
-    await store.save_summary(cid, watermark, summary_record(
+    await rt.store.save_summary(cid, watermark, summary_record(
         text, watermark=watermark, turns=len(turns), summariser=f"{spec.summariser.provider}:{spec.summariser.name}",
         since=since))
     log.info("compacted", watermark=watermark, turns=len(turns), since=since)
+    return {"watermark": watermark, "turns": len(turns), "since": since}
+
+
+async def _clear_old_tool_results(rt: Runtime, cid: str, turn_id: str, config: AgentConfig) -> dict[str, Any]:
+    """Clear the tool results of the thread's turns older than the newest few, back to its newest
+    summary (older turns were cleared before they were summarised), and count those turns again."""
+    thread = await _thread_to_summary(rt, cid, turn_id, limit=config.memory.message_limit)
+    stored = await rt.store.load_snapshots(cid, turns_to_clear(thread))
+    try:
+        tokenizer = load_tokenizer(config.model.tokenizer, config.model.provider)
+        # decoding, clearing and counting are CPU work: off the event loop
+        cleared = await asyncio.to_thread(clear_snapshots, stored)
+    except ThreadlineError as e:
+        return {"error": e.code}
+    counts = await asyncio.to_thread(lambda: {mid: count_messages(c.messages, tokenizer) for mid, c in cleared.items()})
+    write = await rt.store.clear_tool_results(
+        cid, {mid: (stored[mid], encode_messages(c.messages)) for mid, c in cleared.items()},
+        counts=counts, tokenizer=tokenizer.name) if cleared else "cleared"
+    record = {"results": sum(c.results for c in cleared.values()), "chars": sum(c.chars for c in cleared.values()),
+              "turns": len(cleared), "examined": len(stored), "write": write}
+    log.info("tool_results_cleared", **record)
+    return record
+
+
+async def _clearing_owed(rt: Runtime, cid: str, turn_id: str, stage: str) -> bool:
+    """Whether the parent turn's compaction had to leave its clearing undone (a turn was running):
+    then this one clears, though its own window was not cut."""
+    row = await rt.store.message(cid, turn_id)
+    parent = await rt.store.decision(cid, row.parent_id, stage) if row and row.parent_id else None
+    return ((parent or {}).get("tool_results") or {}).get("write") in ("busy", "changed")
+
+
+async def _thread_to_summary(rt: Runtime, cid: str, from_id: str, *, limit: int) -> list[str]:
+    """The thread's turns from `from_id` back to its newest summary's watermark (exclusive), oldest first."""
+    ids: list[str] = []
+    current: str | None = from_id
+    async for batch in rt.store.walk_back(cid, from_id, batch=32):
+        by_id = {r.id: r for r in batch}
+        summarised = await rt.store.summaries(cid, list(by_id))
+        while current is not None and current in by_id and current not in summarised and len(ids) < limit:
+            ids.append(current)
+            current = by_id[current].parent_id
+        if current is None or current in summarised or len(ids) >= limit:
+            break
+    return ids[::-1]
 
 
 async def _unsummarised(rt: Runtime, cid: str, watermark: str) -> tuple[list[list[Any]], str | None, str | None]:

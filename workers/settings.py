@@ -13,9 +13,9 @@ from typing import Literal
 from threadline.pipeline.policy import CONVENTIONAL_KEY_NAMES, ModelPolicy
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
-    """An integer variable; a value that is not one, or is below `minimum`, is a `ValueError`
-    naming the variable (the CLI turns it into one line and exit 2)."""
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """An integer variable; a value that is not one, or is below `minimum` (or above `maximum`), is a
+    `ValueError` naming the variable (the CLI turns it into one line and exit 2)."""
     value = env.get(name)
     if value is None or value.strip() == "":
         return default
@@ -25,6 +25,8 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -
         raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}") from None
     if number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be an integer from {minimum} to {maximum}, not {value!r}")
     return number
 
 
@@ -58,6 +60,8 @@ def model_policy(env: Mapping[str, str] | None = None) -> ModelPolicy:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Where `threadline worker` serves /metrics and its probes unless TL_METRICS_PORT says otherwise.
+DEFAULT_METRICS_PORT = 9464
 
 #: Every variable Threadline reads, with a one-line meaning: `threadline --help` lists them (the README's
 #: settings table says more).
@@ -93,8 +97,9 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_ALLOW_PYTHON_PLUGINS", "1: allow python:module:function models and tools"),
     ("TL_KEY_ENV_ALLOW", "comma-separated: the variables workers may read model keys from"),
     ("TL_BASE_URL_ALLOW", "comma-separated URL prefixes a conventional key may be sent to"),
-    ("TL_METRICS_PORT", "`threadline worker` serves /metrics, /healthz and /livez on this port (default 0: off)"),
+    ("TL_METRICS_PORT", "`threadline worker` serves /metrics, /healthz and /livez on this port (default 9464; 0: off)"),
     ("TL_TRACING", "1: OpenTelemetry spans per turn and stage (also on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
+    ("TL_FILE_CHECK", "public (default), all or off: the hosts workers may ask whether a file in history is there"),
 )
 
 
@@ -141,6 +146,9 @@ class Settings:
     #: Conversations idle (no turn admitted or ended) longer than this many days are deleted by the
     #: watchdog; 0 keeps them forever (and keeps no activity index).
     retention_days: float = 0.0
+    #: Which file URLs of earlier turns the workers ask (HEAD) whether they are still there: `public`
+    #: only hosts with global addresses (no SSRF into the workers' network), `all`, or `off`.
+    file_check: Literal["public", "all", "off"] = "public"
     #: Times the watchdog runs a stalled turn again before it ends the turn `failed`.
     max_recoveries: int = 3
     max_invoke_attempts: int = 3
@@ -151,8 +159,9 @@ class Settings:
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
     #: The key variables configs may name and the URLs a conventional key may go to.
     policy: ModelPolicy = field(default_factory=ModelPolicy)
-    #: `threadline worker` serves /metrics, /healthz and /livez on this port; 0: no endpoint.
-    metrics_port: int = 0
+    #: `threadline worker` serves /metrics, /healthz and /livez on this port; 0: no endpoint. A port
+    #: already taken (a second supervisor on the host) is one warning and no endpoint, never a crash.
+    metrics_port: int = DEFAULT_METRICS_PORT
     #: OpenTelemetry spans per turn and stage, exported over OTLP (`workers/tracing.py`).
     tracing: bool = False
 
@@ -168,6 +177,9 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
+        file_check = env.get("TL_FILE_CHECK") or "public"
+        if file_check not in ("public", "all", "off"):
+            raise ValueError(f"TL_FILE_CHECK must be public, all or off, not {file_check!r}")
         log_format = env.get("TL_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
         if log_format not in ("json", "console"):
             raise ValueError(f"TL_LOG_FORMAT must be json or console, not {log_format!r}")
@@ -199,12 +211,13 @@ class Settings:
             worker_timeout_s=_float(env, "TL_WORKER_TIMEOUT_S", 10.0),
             shutdown_grace_s=_float(env, "TL_SHUTDOWN_GRACE_S", 5.0),
             retention_days=max(0.0, _float(env, "TL_RETENTION_DAYS", 0.0, positive=False)),
+            file_check=file_check,  # type: ignore[arg-type]
             max_recoveries=_int(env, "TL_MAX_RECOVERIES", 3),
             max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3, minimum=1),
             max_retries=_int(env, "TL_MAX_RETRIES", 5),
             allow_python_models=env.get("TL_ALLOW_PYTHON_PLUGINS", "") in ("1", "true", "yes"),
             secrets=dict(env),
             policy=model_policy(env),
-            metrics_port=_int(env, "TL_METRICS_PORT", 0),
+            metrics_port=_int(env, "TL_METRICS_PORT", DEFAULT_METRICS_PORT, maximum=65_535),
             tracing=env.get("TL_TRACING", "") in ("1", "true", "yes") or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
         )

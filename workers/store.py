@@ -119,6 +119,28 @@ class DeleteResult:
     blocking: tuple[str, ...] = ()
 
 
+ClearStatus = Literal["cleared", "busy", "gone", "changed"]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedCounts:
+    """Token counts cached for some turns, and the content version of each turn whose snapshot was
+    rewritten (absent: version 0, the snapshot as the turn stored it)."""
+
+    counts: dict[str, int]
+    versions: dict[str, int]
+
+
+def count_field(message_id: str, version: int, tokenizer: str) -> str:
+    """The field of a turn's count in the token counts hash: per tokenizer and content version (a
+    snapshot whose tool results compaction cleared is counted again, under its next version)."""
+    return f"{message_id}|{tokenizer}" if version == 0 else f"{message_id}#{version}|{tokenizer}"
+
+
+def version_field(message_id: str) -> str:
+    return f"{message_id}|version"
+
+
 def turn_of_row(row: bytes | str) -> str:
     """The turn a stored message row belongs to."""
     return str(json.loads(row)["turn_id"])
@@ -453,16 +475,80 @@ class Store:
             rows = await self.redis.hmget(k.messages(conversation_id), [text(i) for i in raw])
             yield [MessageRecord.model_validate_json(r) for r in rows if r is not None]
 
-    async def token_counts(self, conversation_id: str, message_ids: Sequence[str], tokenizer: str) -> dict[str, int]:
+    async def token_counts(self, conversation_id: str, message_ids: Sequence[str], tokenizer: str) -> CachedCounts:
+        """The cached counts of the turns' current content: one round trip, two for rewritten turns."""
         if not message_ids:
-            return {}
-        values = await self.redis.hmget(self.keys.token_counts(conversation_id),
-                                        [f"{mid}|{tokenizer}" for mid in message_ids])
-        return {mid: int(v) for mid, v in zip(message_ids, values, strict=True) if v is not None}
+            return CachedCounts({}, {})
+        key, n = self.keys.token_counts(conversation_id), len(message_ids)
+        values = await self.redis.hmget(key, [*map(version_field, message_ids),
+                                              *(count_field(mid, 0, tokenizer) for mid in message_ids)])
+        versions = {mid: int(v) for mid, v in zip(message_ids, values[:n], strict=True) if v is not None}
+        counts = {mid: int(v) for mid, v in zip(message_ids, values[n:], strict=True)
+                  if v is not None and mid not in versions}
+        if versions:
+            later = await self.redis.hmget(key, [count_field(mid, v, tokenizer) for mid, v in versions.items()])
+            counts.update({mid: int(v) for mid, v in zip(versions, later, strict=True) if v is not None})
+        return CachedCounts(counts, versions)
 
-    async def save_token_counts(self, conversation_id: str, counts: dict[str, int], tokenizer: str) -> None:
+    async def save_token_counts(self, conversation_id: str, counts: dict[str, int], tokenizer: str, *,
+                                versions: Mapping[str, int] | None = None) -> None:
+        """`counts` of the content versions read before the snapshots were (a count saved under a
+        version a compaction has since replaced is never read)."""
+        got = versions or {}
         await self.redis.hset(self.keys.token_counts(conversation_id),
-                              mapping={f"{mid}|{tokenizer}": n for mid, n in counts.items()})
+                              mapping={count_field(mid, got.get(mid, 0), tokenizer): n for mid, n in counts.items()})
+
+    async def clear_tool_results(self, conversation_id: str, snapshots: Mapping[str, tuple[bytes, bytes]], *,
+                                 counts: Mapping[str, int], tokenizer: str) -> ClearStatus:
+        """Replace turns' snapshots (`message id -> (stored, cleared)`), each with its content version
+        bumped and its count under the new version, in one transaction; fenced like `save_summary`,
+        and more: nothing is written while a turn of the conversation holds it ("busy"), once the
+        conversation is gone, or when a snapshot is no longer the one read ("changed")."""
+        k, ids = self.keys, list(snapshots)
+        watched = (k.conversation(conversation_id), k.lease(conversation_id), k.snapshots(conversation_id),
+                   k.token_counts(conversation_id))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(3):  # best effort, as compaction is: a later cut clears what is left
+                try:
+                    await pipe.watch(*watched)
+                    if not await pipe.exists(watched[0]):
+                        return "gone"
+                    if await pipe.hexists(watched[1], "turn"):
+                        return "busy"
+                    stored = await pipe.hmget(watched[2], ids)
+                    if [as_bytes(v) for v in stored] != [snapshots[mid][0] for mid in ids]:
+                        return "changed"
+                    versions = [int(v or 0) for v in await pipe.hmget(watched[3], [version_field(m) for m in ids])]
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    for mid, version in zip(ids, versions, strict=True):
+                        pipe.hset(watched[2], mid, snapshots[mid][1])
+                        pipe.hdel(watched[3], count_field(mid, version, tokenizer))
+                        pipe.hset(watched[3], mapping={version_field(mid): version + 1,
+                                                       count_field(mid, version + 1, tokenizer): counts[mid]})
+                    await pipe.execute()
+                    return "cleared"
+                except WatchError:
+                    continue
+        return "busy"
+
+    async def save_decision(self, conversation_id: str, message_id: str, stage: str,
+                            record: Mapping[str, Any]) -> None:
+        """A decision record of a stage that runs after the turn (compaction), while the conversation
+        exists (a delete in between must not find it written back)."""
+        conversation = self.keys.conversation(conversation_id)
+        value = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(3):
+                try:
+                    await pipe.watch(conversation)
+                    if not await pipe.exists(conversation):
+                        return
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hset(self.keys.decisions(conversation_id), f"{message_id}:{stage}", value)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
 
     async def summaries(self, conversation_id: str, message_ids: Sequence[str]) -> dict[str, str]:
         """Running summaries by watermark message id (`finish`-then-compaction writes them)."""

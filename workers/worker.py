@@ -154,15 +154,22 @@ class Supervisor:
         self._restart_at = [None] * self.processes
 
     def _serve_metrics(self) -> None:
-        """With `TL_METRICS_PORT`: one endpoint for every worker process (`workers/metrics.py`), which
-        counts into the directory handed to it in its environment."""
+        """On `TL_METRICS_PORT` (default 9464; 0: none): one endpoint for every worker process
+        (`workers/metrics.py`), which counts into the directory handed to it in its environment. A
+        port already taken (another supervisor, or `threadline demo`, on this host) costs the
+        endpoint, not the workers: one warning, and the processes count in memory only."""
         settings = Settings.from_env(self.env)
         if not settings.metrics_port:
             return
         from .metrics import MetricsServer
 
-        self.metrics = MetricsServer(port=settings.metrics_port, url=self.url, prefix=settings.prefix,
-                                     children=lambda: [c.pid for c in self.children if c.poll() is None])
+        try:
+            self.metrics = MetricsServer(port=settings.metrics_port, url=self.url, prefix=settings.prefix,
+                                         children=lambda: [c.pid for c in self.children if c.poll() is None])
+        except OSError as e:
+            log.warning("metrics_not_served", port=settings.metrics_port, reason=e.strerror or str(e),
+                        hint="set TL_METRICS_PORT to a free port, or to 0 to serve none")
+            return
         self.env.update(self.metrics.child_env())
         self.metrics.start()
 

@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart, UserPromptPart
 
 from threadline.pipeline.budget import BudgetParts
-from threadline.pipeline.compaction import summariser_history, window_start
-from threadline.pipeline.history import SUMMARY_HEADER, ThreadRead, budgeted_history
+from threadline.pipeline.compaction import (
+    clear_snapshots,
+    clear_tool_results,
+    clearing_due,
+    summariser_history,
+    turns_to_clear,
+    window_start,
+)
+from threadline.pipeline.history import SUMMARY_HEADER, ThreadRead, budgeted_history, decode_messages, encode_messages
 from threadline.pipeline.models import first_sentence, summary_answer
 from threadline.pipeline.records import MessageRecord
 from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.pipeline.tokens import CharsTokenizer, count_messages
 
 
 def exchange(question: str, answer: str) -> list[ModelRequest | ModelResponse]:
@@ -34,7 +42,7 @@ def test_a_summary_stands_in_for_the_dropped_turns_and_counts_in_the_budget() ->
     budget = BudgetParts(context_window=1440, max_output=1000, safety_margin=0, instructions=0, query=0, tools=0)
     read = ThreadRead(rows=rows, snapshots={}, counts={r.id: 100 for r in rows}, complete=True, previous_start=None,
                       budget=budget, tokenizer="chars/4", summaries={"t2": ("q1 and q2 happened", 40)})
-    messages, window, watermark = budgeted_history(read, low_water=1.0)
+    messages, window, watermark, _ = budgeted_history(read, low_water=1.0)
     # 440 tokens for history: t3..t6 (400) fit, t1 and t2 are dropped and summarised (40 tokens)
     assert watermark == "t2" and window.kept == ["t3", "t4", "t5", "t6"] and window.tokens == 400
     # a longer summary takes its tokens from the history: one turn fewer
@@ -57,3 +65,45 @@ def test_compaction_runs_after_the_turn_never_in_its_chain() -> None:
     assert DEFAULT_GRAPH.next("persist") is None
     assert [s.name for s in DEFAULT_GRAPH.turn_stages] == ["resolve", "history", "map", "invoke", "persist"]
     assert window_start({"window": {"start": "m7"}}) == "m7" and window_start(None) is None
+
+
+# --- clearing old tool results --------------------------------------------------------------------
+
+
+def tool_turn(result: str, *, call_id: str = "call-1") -> list[ModelRequest | ModelResponse]:
+    return [ModelRequest(parts=[UserPromptPart("look it up")]),
+            ModelResponse(parts=[ToolCallPart("lookup", {"q": "x"}, tool_call_id=call_id)]),
+            ModelRequest(parts=[ToolReturnPart("lookup", result, tool_call_id=call_id)]),
+            ModelResponse(parts=[TextPart("found it")])]
+
+
+def test_clearing_replaces_a_tool_results_content_and_keeps_the_call_and_its_pairing() -> None:
+    messages = tool_turn("x" * 1234)
+    cleared = clear_tool_results(messages)
+    assert (cleared.results, cleared.chars) == (1, 1234)
+    result = cleared.messages[2].parts[0]
+    assert isinstance(result, ToolReturnPart) and result.content == "[tool result cleared: 1,234 chars]"
+    assert result.tool_call_id == "call-1" and result.tool_name == "lookup" and result.outcome == "success"
+    # everything but the result's content is the same message; the stored original is untouched
+    assert [cleared.messages[i] for i in (0, 1, 3)] == [messages[i] for i in (0, 1, 3)]
+    assert messages[2].parts[0].content == "x" * 1234  # type: ignore[union-attr]
+    # once cleared, a result stays as it is (a later compaction changes nothing), as does a short one
+    assert clear_tool_results(cleared.messages).results == 0
+    assert clear_tool_results(tool_turn("12:00")).results == 0
+
+
+def test_only_a_cut_window_clears_and_the_newest_turns_keep_their_results() -> None:
+    assert clearing_due({"window": {"reason": "pruned_to_low_water"}})
+    assert clearing_due({"window": {"reason": "nothing_fits"}})
+    assert not clearing_due({"window": {"reason": "prefix_kept"}}) and not clearing_due(None)
+    assert turns_to_clear(["t1", "t2", "t3", "t4"]) == ["t1", "t2"]
+    assert turns_to_clear(["t1", "t2"]) == []
+
+
+def test_clear_snapshots_returns_only_the_turns_that_changed_and_they_cost_less() -> None:
+    stored = {"t1": encode_messages(tool_turn("y" * 800)), "t2": encode_messages(exchange("hi", "hello"))}
+    cleared = clear_snapshots(stored)
+    assert list(cleared) == ["t1"]
+    tokenizer = CharsTokenizer()
+    before = count_messages(decode_messages(stored["t1"], where="test"), tokenizer)
+    assert count_messages(cleared["t1"].messages, tokenizer) < before - 150

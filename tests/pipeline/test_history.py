@@ -7,11 +7,34 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.messages import (
+    ImageUrl,
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    UserContent,
+    UserPromptPart,
+)
 
+from threadline.pipeline.budget import BudgetParts
+from threadline.pipeline.contracts import FileRef
 from threadline.pipeline.errors import InvalidRequest, SnapshotCorrupt
-from threadline.pipeline.history import decode_messages, encode_messages, extract_thread, turn_messages
+from threadline.pipeline.history import (
+    MAX_NATIVE_FILE_BYTES,
+    FileCheck,
+    FileTally,
+    ThreadRead,
+    attachment_line,
+    budgeted_history,
+    decode_messages,
+    encode_messages,
+    extract_thread,
+    replay_files,
+    turn_messages,
+)
 from threadline.pipeline.records import MessageRecord
+from threadline.pipeline.tokens import CharsTokenizer, count_messages
 
 
 def msg(id: str, parent: str | None, *, query: str = "", answer: str = "", status: str = "succeeded",
@@ -114,3 +137,69 @@ def test_stored_messages_round_trip_and_corruption_is_a_stable_error() -> None:
     assert decode_messages(encode_messages(messages), where="x") == messages
     with pytest.raises(SnapshotCorrupt, match="message m1"):
         decode_messages(b'[{"kind": "nonsense"}]', where="message m1")
+
+
+# --- files of earlier turns -----------------------------------------------------------------------
+
+CAT, GONE, SLOW = "https://files.test/u/cat.png", "https://files.test/u/gone.png", "https://files.test/u/report.pdf"
+DATA = "data:image/png;base64," + "A" * 400
+CHECKS = {CAT: FileCheck("available", 12_345), GONE: FileCheck("missing")}
+
+
+def file_turn(id: str, parent: str | None, files: list[FileRef], *, vision: bool) -> tuple[MessageRecord, bytes]:
+    """A stored turn whose query came with `files`, as `user_prompt` stored it for a (non-)vision model."""
+    record = MessageRecord(id=id, conversation_id="c", parent_id=parent, turn_id=id, query=f"q-{id}", files=files,
+                           answer=f"a-{id}", status="succeeded")
+    content: list[UserContent] = [record.query]
+    content += [ImageUrl(url=f.url) if vision and f.type == "image" else attachment_line(f) for f in files]
+    return record, encode_messages([ModelRequest(parts=[UserPromptPart(content)]),
+                                    ModelResponse(parts=[TextPart(record.answer)])])
+
+
+def prompt(messages: list[ModelMessage]) -> list[object]:
+    first = messages[0]
+    assert isinstance(first, ModelRequest) and isinstance(first.parts[0], UserPromptPart)
+    return list(first.parts[0].content)
+
+
+IMAGES = [FileRef(type="image", url=CAT, mime="image/png"), FileRef(type="image", url=GONE, mime="image/png"),
+          FileRef(type="document", url=SLOW, mime="application/pdf"), FileRef(type="image", url=DATA)]
+
+
+def test_a_recent_turn_sends_images_natively_to_a_vision_model_and_skips_missing_files() -> None:
+    record, snapshot = file_turn("t1", None, IMAGES, vision=True)
+    messages, tally = replay_files(record, decode_messages(snapshot, where="t"), native=True, checks=CHECKS)
+    assert prompt(messages) == [
+        "q-t1", ImageUrl(url=CAT),
+        "[file report.pdf: document, application/pdf]",  # not an image, and not checked: its reference
+        "[file (inline data): image, 300 bytes]",  # a data URL never goes again as its bytes
+    ]
+    assert tally == FileTally(kept=1, replayed_as_reference=2, missing=1)
+
+
+def test_an_older_turn_or_a_model_without_vision_gets_references_naming_the_files() -> None:
+    for vision in (True, False):
+        record, snapshot = file_turn("t1", None, IMAGES[:2], vision=vision)
+        messages, tally = replay_files(record, decode_messages(snapshot, where="t"), native=False, checks=CHECKS)
+        assert prompt(messages) == ["q-t1", "[file cat.png: image, image/png, 12,345 bytes]"]
+        assert tally == FileTally(kept=0, replayed_as_reference=1, missing=1)
+    big = {CAT: FileCheck("available", MAX_NATIVE_FILE_BYTES + 1)}
+    record, snapshot = file_turn("t1", None, IMAGES[:1], vision=True)
+    messages, _ = replay_files(record, decode_messages(snapshot, where="t"), native=True, checks=big)
+    assert prompt(messages) == ["q-t1", f"[file cat.png: image, image/png, {MAX_NATIVE_FILE_BYTES + 1:,} bytes]"]
+
+
+def test_the_budget_counts_turns_as_their_files_are_replayed_and_only_the_newest_turn_sends_images() -> None:
+    first, first_snapshot = file_turn("t1", None, IMAGES[:2], vision=True)
+    second, second_snapshot = file_turn("t2", "t1", IMAGES[:1], vision=True)
+    budget = BudgetParts(context_window=11_000, max_output=1000, safety_margin=0, instructions=0, query=0, tools=0)
+    read = ThreadRead(rows=[first, second], snapshots={"t1": first_snapshot, "t2": second_snapshot},
+                      counts={"t1": 5, "t2": 5}, complete=True, previous_start=None, budget=budget,
+                      tokenizer="chars/4", files=CHECKS, vision=True, counter=CharsTokenizer())
+    messages, window, _, files = budgeted_history(read, low_water=0.7)
+    assert prompt(messages[:1]) == ["q-t1", "[file cat.png: image, image/png, 12,345 bytes]"]
+    assert prompt(messages[2:3]) == ["q-t2", ImageUrl(url=CAT)]
+    assert files == {"kept": 1, "replayed_as_reference": 1, "missing": 1}
+    # t1 is counted with its reference text (more than its stored count), t2 as stored (an image counts nothing)
+    tokenizer = CharsTokenizer()
+    assert window.tokens == count_messages(messages, tokenizer) and window.tokens > 10

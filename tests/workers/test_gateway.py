@@ -7,10 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,15 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from tests.conftest import WorkerPool
+from tests.support.gateway import free_port, running_gateway
 from tests.support.wait import wait_until
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.apikeys import create_key
 from threadline.workers.cli import run
 from threadline.workers.client import Client
-from threadline.workers.gateway import create_app
 from threadline.workers.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -56,33 +53,21 @@ class Api:
         return agent_id
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def api(workers: WorkerPool, redis_url: str, prefix: str) -> Iterator[Api]:
     settings = dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": "2000"}), prefix=prefix,
                                    redis_url=redis_url)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, redis_url), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, timeout_s=10)
-    client = Client(redis_url, prefix=prefix)
-    tenant_a, tenant_b = f"ta{uuid.uuid4().hex[:6]}", f"tb{uuid.uuid4().hex[:6]}"
-    def key(tenant: str, admin: bool = False) -> str:
-        return create_key(client.redis, client.keys, tenant, admin=admin)
+    with running_gateway(settings, redis_url) as base:
+        client = Client(redis_url, prefix=prefix)
+        tenant_a, tenant_b = f"ta{uuid.uuid4().hex[:6]}", f"tb{uuid.uuid4().hex[:6]}"
 
-    api = Api(f"http://127.0.0.1:{port}", client, key(tenant_a), key(tenant_a, admin=True), key(tenant_b), echo="")
-    api.echo = api.agent("offline:echo")
-    yield api
-    server.should_exit = True
-    thread.join(timeout=10)
-    client.close()
+        def key(tenant: str, admin: bool = False) -> str:
+            return create_key(client.redis, client.keys, tenant, admin=admin)
+
+        api = Api(base, client, key(tenant_a), key(tenant_a, admin=True), key(tenant_b), echo="")
+        api.echo = api.agent("offline:echo")
+        yield api
+        client.close()
 
 
 def body(agent: str, query: str, **fields: Any) -> dict[str, Any]:
@@ -267,6 +252,9 @@ def test_keys_and_validation(api: Api) -> None:
         assert http.post("/v1/turns", json=body(api.echo, "hi")).json()["code"] == "unauthorized"
         assert http.get("/healthz").json() == {"status": "ok"}
         assert "/v1/turns" in http.get("/openapi.json").json()["paths"]
+        page = http.get("/")  # the web console (tests/workers/test_console.py drives it in a browser)
+        assert page.status_code == 200 and "<title>Threadline console</title>" in page.text
+        assert http.get("/console.js").headers["content-type"].startswith("text/javascript")
     with api.http("tlk_not-a-key") as http:
         assert http.get("/v1/conversations").status_code == 401
     with api.http(api.key_a) as http:
@@ -291,11 +279,13 @@ def test_keys_create_and_gateway_commands(api: Api, redis_url: str, prefix: str,
     with api.http(key) as http:
         assert http.get("/v1/conversations").json() == {"conversations": []}
     assert run(["keys", "create", "not:a:tenant"]) == 2
-    # `threadline gateway` serves the same API from its own process
+    assert run(["gateway", "--console", str(Path("no-such-dir"))]) == 2
+    assert "--console no-such-dir: not a directory" in capsys.readouterr().err
+    # `threadline gateway` serves the same API from its own process (here without the console)
     port = free_port()
     env = {**os.environ, "REDIS_URL": redis_url, "TL_PREFIX": prefix}
-    proc = subprocess.Popen([sys.executable, "-m", "threadline.workers.cli", "gateway", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "threadline.workers.cli", "gateway", "--port", str(port),
+                             "--no-console"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         def healthy() -> bool:
             try:
@@ -306,6 +296,7 @@ def test_keys_create_and_gateway_commands(api: Api, redis_url: str, prefix: str,
         wait_until(healthy, timeout_s=20)
         listed = httpx.get(f"http://127.0.0.1:{port}/v1/conversations", headers={"Authorization": f"Bearer {key}"})
         assert listed.json() == {"conversations": []}
+        assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 404
     finally:
         proc.terminate()
         _, stderr = proc.communicate(timeout=10)

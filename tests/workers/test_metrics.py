@@ -1,7 +1,8 @@
-"""Metrics, health and tracing, from outside: `threadline worker` with `TL_METRICS_PORT` (two worker
-processes, one endpoint) runs real turns — succeeded, failed, cancelled mid-stream, redelivered
-and dead-lettered — and a scrape of `/metrics` over HTTP shows every family move; `/healthz` follows
-Redis. Tracing runs in-process (a real dramatiq worker) into the SDK's in-memory exporter."""
+"""Metrics, health and tracing, from outside: `threadline worker` on `TL_METRICS_PORT` (two worker
+processes, one endpoint; a second supervisor on the same port runs without one) runs real turns —
+succeeded, failed, cancelled mid-stream, redelivered and dead-lettered — and a scrape of `/metrics`
+over HTTP shows every family move; `/healthz` follows Redis. Tracing runs in-process (a real
+dramatiq worker) into the SDK's in-memory exporter."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, InProcessWorker, drop_prefix, turn
+from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
 from tests.support.wait import poll, wait_until
 from tests.workers.test_operations import raw_message
 from tests.workers.test_outcomes import python_model, wait_for_event
@@ -41,7 +42,7 @@ from threadline.workers import tracing
 from threadline.workers.actors import queues
 from threadline.workers.client import Client
 from threadline.workers.logs import configure_logging
-from threadline.workers.settings import Settings
+from threadline.workers.settings import DEFAULT_METRICS_PORT, Settings
 
 pytestmark = pytest.mark.integration
 
@@ -214,6 +215,39 @@ def test_every_metric_moves_with_real_turns(served: Served) -> None:
     assert value(after, "threadline_stages_running") == 0
 
 
+@pytest.mark.slow
+def test_a_second_supervisor_on_a_taken_port_warns_once_and_its_workers_run(
+        served: Served, redis_url: str, tmp_path: Path) -> None:
+    """The default port is one per host: a second `threadline worker` (or `threadline demo`) next to
+    one that serves it loses the endpoint, not its workers."""
+    prefix = f"tlm{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "second.log"
+    process = supervisor(redis_url, prefix, served.port, log, "--processes", "1", "--threads", "2")
+    try:
+        WorkerPool(redis_url, prefix, tmp_path).wait_ready(1)
+        assert process.poll() is None, log.read_text()[-3000:]
+        said = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        warnings = [e for e in said if e["event"] == "metrics_not_served"]
+        assert len(warnings) == 1 and warnings[0]["port"] == served.port, said
+        assert "in use" in warnings[0]["reason"] and "TL_METRICS_PORT" in warnings[0]["hint"]
+        assert not [e for e in said if e["event"] == "metrics_serving"]
+        # the first one still answers, for its own processes only
+        status, body = get(served.port, "/healthz")
+        assert status == 200 and len(json.loads(body)["processes"]) == 2
+    finally:
+        stop(process)
+        drop_prefix(served.redis, prefix)
+    assert process.returncode == 0
+
+
+def test_the_endpoint_is_on_by_default_and_off_with_zero() -> None:
+    assert Settings.from_env({}).metrics_port == DEFAULT_METRICS_PORT == 9464
+    assert Settings.from_env({"TL_METRICS_PORT": "0"}).metrics_port == 0
+    with pytest.raises(ValueError, match="TL_METRICS_PORT"):
+        Settings.from_env({"TL_METRICS_PORT": "70000"})
+
+
+@pytest.mark.slow
 def test_healthz_is_unavailable_while_redis_cannot_be_reached(tmp_path: Path) -> None:
     port = free_port()
     dead = f"redis://127.0.0.1:{free_port()}/0"

@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
-from tests.conftest import OwnPool, own_pool, turn
+from tests.conftest import OwnPool, drop_prefix, own_pool, turn
 from tests.support.wait import poll
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers import cli
 from threadline.workers.actors import queues
+from threadline.workers.keys import Keys
+from threadline.workers.operations import Operations
 
 pytestmark = pytest.mark.integration
 
@@ -91,17 +94,25 @@ def test_status_shows_the_queues_the_workers_and_a_turn_in_flight(env: OwnPool, 
         assert status["turns"]["count"] == 1
         assert status["turns"]["oldest_turn_id"] == turn_id
         assert status["turns"]["oldest_age_s"] < 30
-        assert status["workers_alive"] >= 1
+        # the one live worker process, from its heartbeat: which queues it consumes
+        (worker,) = status["workers"]
+        assert status["workers_alive"] == 1
+        assert worker["pid"] == env.pool.procs[0].pid and worker["host"] and worker["since"] <= time.time()
+        assert set(worker["queues"]) == set(queues(DEFAULT_GRAPH)) - {UNSERVED}
         by_name = {q["name"]: q for q in status["queues"]}
         assert list(by_name) == list(queues(DEFAULT_GRAPH))
+        assert {name: q["consumers"] for name, q in by_name.items()} == {
+            name: 0 if name == UNSERVED else 1 for name in by_name}
         assert by_name[UNSERVED]["depth"] == 1
         assert 59 <= by_name[UNSERVED]["oldest_age_s"] < 120
         assert by_name["resolve"]["depth"] == 0 and by_name["resolve"]["oldest_age_s"] is None
         code, out, _ = run("status")
         assert code == 0
         assert f"turns in flight: 1 (oldest {turn_id}:" in out
-        assert "workers alive: 1" in out
-        assert any(line.split()[:2] == [UNSERVED, "1"] for line in out.splitlines()), out
+        assert "workers alive: 1" in out and f"no worker consumes: {UNSERVED}" in out
+        rows = {line.split()[0]: line.split() for line in out.splitlines()[1:len(by_name) + 1]}
+        assert rows[UNSERVED][:2] == [UNSERVED, "1"] and rows[UNSERVED][-1] == "0", out
+        assert rows["invoke"][-1] == "1", out
     finally:
         release.touch()
     terminal = env.client.wait(turn_id, timeout_s=20)
@@ -186,3 +197,30 @@ def test_usage_reads_the_tenant_counters(env: OwnPool, run: Any) -> None:
     code, out, _ = run("usage", tenant)
     assert code == 0 and out.startswith(f"tenant {tenant}: 2 turns")
     assert json.loads(run("usage", "nobody", "--json")[1])["turns"] == 0
+
+
+def test_workers_alive_and_queue_consumers_come_from_the_heartbeat_keys(redis_url: str) -> None:
+    """A process counts while its heartbeat key lives (it expires `TL_WORKER_TIMEOUT_S` after the
+    last renewal): a registry entry the watchdog has not reaped yet is not a consumer."""
+    keys = Keys(f"tlw{uuid.uuid4().hex[:8]}")
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.hset(keys.workers(), mapping={"w-fast": "b1", "w-invoke": "b2", "w-dead": "b3", "w-fading": "b4"})
+        r.set(keys.worker("w-fast"), json.dumps({"pid": 11, "host": "h", "queues": ["control", "resolve"],
+                                                 "since": 1.5}))
+        r.set(keys.worker("w-invoke"), json.dumps({"pid": 12, "host": "h", "queues": ["control", "invoke"]}))
+        r.set(keys.worker("w-fading"), json.dumps({"pid": 13, "queues": ["invoke"]}), px=300)
+        ops = Operations(r, keys)
+        status = ops.status()
+        assert status.workers_alive == 3
+        assert [(w.worker_id, w.pid) for w in status.workers] == [("w-fading", 13), ("w-fast", 11), ("w-invoke", 12)]
+        consumers = {q.name: q.consumers for q in status.queues}
+        assert (consumers["control"], consumers["invoke"], consumers["resolve"], consumers["map"]) == (2, 2, 1, 0)
+        assert poll(lambda: ops.status().workers_alive == 2, timeout_s=5)
+        assert {q.name: q.consumers for q in ops.status().queues}["invoke"] == 1
+        # a heartbeat whose JSON says nothing useful is still a live process, consuming nothing known
+        r.set(keys.worker("w-dead"), b"not json")
+        assert ops.status().workers_alive == 3 and ops.status().workers[0].queues == ()
+    finally:
+        drop_prefix(r, keys.prefix)
+        r.close()

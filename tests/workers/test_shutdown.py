@@ -21,15 +21,16 @@ from threadline.pipeline.stages import DEFAULT_GRAPH, Stage, StageInput, StageOu
 from threadline.workers.client import Client
 from threadline.workers.worker import Supervisor
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_sigterm_to_the_supervisor_mid_stream_hands_the_turn_to_another_worker_at_once(
     redis_url: str, tmp_path: Path
 ) -> None:
     prefix = f"tlh{uuid.uuid4().hex[:8]}"
+    # no metrics endpoint: the default port is one per host, and other tests' supervisors run beside this one
     env = {"TL_PREFIX": prefix, "TL_ALLOW_PYTHON_PLUGINS": "1", "TL_LOG_FORMAT": "json", "TL_LOG_LEVEL": "INFO",
-           "PYTHONPATH": str(ROOT)}
+           "TL_METRICS_PORT": "0", "PYTHONPATH": str(ROOT)}
     supervisor = Supervisor(redis_url, processes=1, threads=4, env=env, log_path=tmp_path / "supervisor.log")
     other = WorkerPool(redis_url, prefix, tmp_path)
     client = Client(redis_url, prefix=prefix)

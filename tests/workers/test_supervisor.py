@@ -26,13 +26,14 @@ from threadline.workers.broker import Reachability
 from threadline.workers.client import Client
 from threadline.workers.worker import Supervisor, restart_delay_s
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_a_dead_worker_process_is_replaced_and_stop_leaves_none(redis_url: str) -> None:
     prefix = f"tls{uuid.uuid4().hex[:6]}"
     supervisor = Supervisor(redis_url, processes=2, threads=2,
-                            env={"TL_PREFIX": prefix, "TL_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)})
+                            env={"TL_PREFIX": prefix, "TL_LOG_LEVEL": "WARNING", "TL_METRICS_PORT": "0",
+                                 "PYTHONPATH": str(ROOT)})
     stop = threading.Event()
     supervisor.start()
     watcher = threading.Thread(target=supervisor.watch, args=(stop,), daemon=True)
@@ -62,7 +63,8 @@ def test_a_crashing_worker_process_is_restarted_with_growing_delays(redis_url: s
     """A child that cannot start (an unknown queue) crashes at once, every time: the supervisor
     waits 0.5 s, 1 s, 2 s, … (up to 30 s) before each restart, instead of respawning it in a loop."""
     supervisor = Supervisor(redis_url, processes=1, threads=1, queues=["no-such-queue"],
-                            env={"TL_PREFIX": f"tls{uuid.uuid4().hex[:6]}", "PYTHONPATH": str(ROOT)},
+                            env={"TL_PREFIX": f"tls{uuid.uuid4().hex[:6]}", "TL_METRICS_PORT": "0",
+                                 "PYTHONPATH": str(ROOT)},
                             log_path=Path(os.devnull))
     stop = threading.Event()
     supervisor.start()
@@ -80,7 +82,6 @@ def test_a_crashing_worker_process_is_restarted_with_growing_delays(redis_url: s
     assert [restart_delay_s(n) for n in (1, 4, 7, 8, 50)] == [0.5, 4.0, 30.0, 30.0, 30.0]
 
 
-@pytest.mark.slow
 def test_a_worker_without_redis_logs_one_error_then_works_once_redis_is_there(tmp_path: Path) -> None:
     server = Restartable(tmp_path / "valkey")  # not started yet: nothing listens on its port
     prefix = f"tlu{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,36 @@
+"""The HTTP gateway served by a real uvicorn on a free port, in a background thread, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+
+from tests.support.wait import wait_until
+from threadline.workers.gateway import create_app
+from threadline.workers.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_gateway(settings: Settings, url: str) -> Iterator[str]:
+    """The gateway's base URL while it runs."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, url), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, timeout_s=10)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
