@@ -29,6 +29,11 @@ from threadline.workers.worker import start_worker
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def liveness_key(key: str, prefix: str) -> bool:
+    """The worker processes' own heartbeats (`Keys.worker`, `worker_turns`, `workers`): rewritten every
+    few seconds whatever a test does, so never part of a before/after comparison."""
+    return key.startswith(f"{prefix}:worker:") or key == f"{prefix}:workers"
+
 def drop_prefix(r: redis.Redis, prefix: str) -> None:
     """Delete every key under `prefix` (what a test wrote on a prefix of its own)."""
     for key in r.scan_iter(f"{prefix}:*", count=1000):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.conftest import AgentFactory, WorkerPool, turn
+from tests.conftest import AgentFactory, WorkerPool, liveness_key, turn
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -23,16 +23,18 @@ from threadline.workers.store import DeleteResult
 
 pytestmark = pytest.mark.integration
 
-#: dramatiq's own bookkeeping (heartbeats, ack sets) changes on its own; it holds no conversation.
+#: dramatiq's own bookkeeping (heartbeats, ack sets) and the workers' heartbeats change on their own;
+#: they hold no conversation.
 DumpAll = dict[str, tuple[bytes | None, bool]]
 
 
 def dump_all(r: redis.Redis, prefix: str) -> DumpAll:
-    """Every key under `prefix` (but the broker's queues) as `DUMP` serialises it, and whether it expires."""
+    """Every key under `prefix` (but the broker's queues and the workers' heartbeats) as `DUMP` serialises
+    it, and whether it expires."""
     out: DumpAll = {}
     for raw in r.scan_iter(f"{prefix}:*", count=1000):
         key = raw.decode()
-        if not key.startswith(f"{prefix}:q:"):
+        if not key.startswith(f"{prefix}:q:") and not liveness_key(key, prefix):
             out[key] = (r.dump(key), r.pttl(key) >= 0)
     return out
 

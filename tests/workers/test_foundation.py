@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.conftest import AgentFactory, WorkerPool, turn
+from tests.conftest import AgentFactory, WorkerPool, liveness_key, turn
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import new_conversation_id
@@ -182,12 +182,14 @@ def test_malformed_requests_fail_with_a_stable_code(workers: WorkerPool, client:
 
 
 def _stored_state(url: str, prefix: str) -> dict[bytes, bytes | None]:
-    """Every key but turn-scoped ones and queues, with its value: what bad input must leave as it
-    was. Conversation leases included: bad input is refused before the turn takes the lease."""
+    """Every key but turn-scoped ones, queues and the workers' heartbeats, with its value: what bad
+    input must leave as it was. Conversation leases included: bad input is refused before the turn
+    takes the lease."""
     r = redis.Redis.from_url(url)
     state: dict[bytes, bytes | None] = {}
     for key in r.scan_iter(f"{prefix}:*", count=1000):
-        if key.startswith(f"{prefix}:turn:".encode()) or key.startswith(f"{prefix}:q:".encode()):
+        name = key.decode()
+        if name.startswith((f"{prefix}:turn:", f"{prefix}:q:")) or liveness_key(name, prefix):
             continue
         state[key] = r.dump(key)
     r.close()

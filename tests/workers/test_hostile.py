@@ -37,7 +37,7 @@ from typing import Any, Literal
 import pytest
 import redis
 
-from tests.conftest import WorkerPool, drop_prefix
+from tests.conftest import WorkerPool, drop_prefix, liveness_key
 from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -69,12 +69,6 @@ Dump = dict[str, tuple[str, Any, int]]
 def key_name(raw: bytes) -> str:
     # any bytes round-trip: the client encodes key names back with the same error handler
     return raw.decode("utf-8", "surrogateescape")
-
-
-def liveness_key(key: str, prefix: str) -> bool:
-    """The worker processes' own heartbeats (`Keys.worker`, `worker_turns`, `workers`): rewritten every
-    few seconds whatever the input, so no case's doing."""
-    return key.startswith(f"{prefix}:worker:") or key == f"{prefix}:workers"
 
 
 def dump(r: redis.Redis, prefix: str) -> Dump:
