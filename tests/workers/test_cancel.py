@@ -40,6 +40,7 @@ def test_cancel_before_the_turn_is_enqueued_wins(workers: WorkerPool, client: Cl
     assert_one_terminal(client, turn_id)
 
 
+@pytest.mark.slow  # two worker pools per stage, each waited for
 @pytest.mark.parametrize("stage", ["resolve", "history", "map", "invoke"])
 def test_a_turn_cancelled_while_queued_for_a_stage_never_reaches_the_model(
     stage: str, isolated: Callable[[], WorkerPool], tmp_path: Path

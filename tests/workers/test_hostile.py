@@ -197,29 +197,29 @@ class Hostile:
 
     def busy(self) -> list[str]:
         """What dramatiq still holds: bodies, queued ids, unacked ids (dead-letter sets aside)."""
-        held = []
-        for raw in self.redis.scan_iter(f"{self.keys.queue('')}*", count=1000):
-            key = key_name(raw)
-            kind = self.redis.type(key).decode()
-            if ".XQ" in key or "__heartbeats__" in key:
-                continue
-            size = {"hash": self.redis.hlen, "list": self.redis.llen, "set": self.redis.scard,
-                    "zset": self.redis.zcard}.get(kind, lambda _k: 0)(key)
-            if size:
-                held.append(f"{key} ({kind}, {size})")
-        return held
+        keys = [key for key in map(key_name, self.redis.scan_iter(f"{self.keys.queue('')}*", count=1000))
+                if ".XQ" not in key and "__heartbeats__" not in key]
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.type(key)
+        kinds = [kind.decode() for kind in pipe.execute()]
+        sizes = {"hash": pipe.hlen, "list": pipe.llen, "set": pipe.scard, "zset": pipe.zcard}
+        counted = [(key, kind) for key, kind in zip(keys, kinds, strict=True) if kind in sizes]
+        for key, kind in counted:
+            sizes[kind](key)
+        return [f"{key} ({kind}, {size})" for (key, kind), size in zip(counted, pipe.execute(), strict=True) if size]
 
     def quiesce(self, timeout_s: float = WAIT_S) -> None:
         assert self.settle(timeout_s), f"queues never drained: {self.busy()}"
 
     def settle(self, timeout_s: float = WAIT_S) -> bool:
-        """dramatiq holds nothing, seen three times in a row: `busy` reads key by key, so one reading
-        can miss a message that moves from a queue to an ack set between two of its reads."""
+        """dramatiq holds nothing, seen twice in a row: `busy` reads key by key, so one reading can miss
+        a message that moves from a queue to an ack set between two of its reads."""
         idle = [0]
 
         def quiet() -> bool:
             idle[0] = idle[0] + 1 if not self.busy() else 0
-            return idle[0] >= 3
+            return idle[0] >= 2
 
         return bool(poll(quiet, timeout_s))
 

@@ -28,7 +28,8 @@ from threadline.pipeline.errors import ThreadlineError
 from threadline.workers.client import Client
 from threadline.workers.settings import model_policy
 
-pytestmark = pytest.mark.integration
+# each provider's SDK is imported by the workers on its first turn (1 to 2 s each): the slow tier
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ATTEMPTS = 3
 #: The fake keys the main pool's workers hold, under each provider's conventional variable.
