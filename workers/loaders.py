@@ -114,7 +114,7 @@ async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: 
     counts = cached.counts
     missing = [r for r in chain if r.id not in counts]
     if missing:
-        snapshots = await rt.store.load_snapshots(cid, [r.id for r in missing])
+        snapshots.update(await rt.store.load_snapshots(cid, [r.id for r in missing if r.id not in snapshots]))
         # counting is CPU work: off the event loop, so the process's other turns keep streaming
         fresh = await asyncio.to_thread(lambda: {r.id: count_turn(r, snapshots.get(r.id), tokenizer) for r in missing})
         await rt.store.save_token_counts(cid, fresh, tokenizer.name, versions=cached.versions)
