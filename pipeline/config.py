@@ -116,6 +116,13 @@ class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
+#: `model.tokenizer` for counting with the provider's own count endpoint (Anthropic `count_tokens`,
+#: Gemini `countTokens`, Bedrock `CountTokens`; a `python:` model factory may implement
+#: `Model.count_tokens` too).
+PROVIDER_TOKENIZER = "provider"
+COUNTING_PROVIDERS: frozenset[str] = frozenset({"anthropic", "google", "bedrock", "python"})
+
+
 class ModelSpec(_Doc):
     provider: Provider
     name: Annotated[str, Field(min_length=1, max_length=256)]
@@ -129,7 +136,8 @@ class ModelSpec(_Doc):
     #: Images in `files` go to the model natively; otherwise files are described as text.
     vision: bool = False
     #: The tokenizer the history budget counts with: `tiktoken:cl100k_base`, `tiktoken:o200k_base`,
-    #: `hf:<path to tokenizer.json>` or `chars/4`; None: the provider's default (`workers/tokenizers.py`).
+    #: `hf:<path to tokenizer.json>`, `chars/4`, or `provider` (the provider's own count endpoint, for
+    #: the providers in `COUNTING_PROVIDERS`); None: the provider's default (`workers/tokenizers.py`).
     tokenizer: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     #: Offline and test models only: options passed to the model factory.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -149,6 +157,14 @@ class ModelSpec(_Doc):
             value = {"provider": provider, "name": name}
         _refuse_credentials(value, info)
         return value
+
+    @model_validator(mode="after")
+    def _countable(self) -> ModelSpec:
+        if self.tokenizer == PROVIDER_TOKENIZER and self.provider not in COUNTING_PROVIDERS:
+            raise ValueError(f"tokenizer 'provider' counts with the provider's count endpoint, and provider "
+                             f"{self.provider!r} has none: use it with {', '.join(sorted(COUNTING_PROVIDERS))}, "
+                             "or name a local tokenizer ('tiktoken:o200k_base', 'hf:<path to tokenizer.json>')")
+        return self
 
     @field_validator("fallback")
     @classmethod

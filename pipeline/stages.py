@@ -132,6 +132,7 @@ def history_stage(given: StageInput) -> StageOutput:
     budget = read.budget
     record = {
         "tokenizer": read.tokenizer,
+        **({"tokenizer_fallback": read.tokenizer_fallback} if read.tokenizer_fallback else {}),
         "budget": {**dataclasses.asdict(budget), "history": budget.history},
         "window": {"reason": window.reason, "start": window.start, "kept_turns": len(window.kept),
                    "kept_tokens": window.tokens, "dropped_turns": len(window.dropped),

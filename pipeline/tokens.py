@@ -18,6 +18,7 @@ from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
     ModelRequestPart,
+    ModelResponse,
     RetryFeedbackPart,
     RetryPromptPart,
     SpeechPart,
@@ -74,13 +75,40 @@ def count_messages(messages: Iterable[ModelMessage], tokenizer: Tokenizer) -> in
 def count_tool_definitions(definitions: Sequence[ToolDefinition], tokenizer: Tokenizer) -> int:
     """The tokens of the tool definitions sent with each request, as the JSON of their name,
     description and parameter schema (providers wrap them a little differently; this is close)."""
-    if not definitions:
-        return 0
+    return tokenizer.count(tool_definitions_json(definitions)) if definitions else 0
+
+
+def tool_definitions_json(definitions: Sequence[ToolDefinition]) -> str:
+    """The tool definitions as they are counted: the JSON of their name, description and schema."""
     described = [
         {"name": d.name, "description": d.description, "parameters_json_schema": d.parameters_json_schema}
         for d in definitions
     ]
-    return tokenizer.count(to_json(described).decode())
+    return to_json(described).decode()
+
+
+def as_text_exchange(messages: Sequence[ModelMessage]) -> list[ModelMessage]:
+    """`messages` as plain text the way they are counted here (each message's part texts, one per
+    line): a user turn and an assistant turn in alternation, same-role neighbours merged, empty ones
+    left out, starting with the user. A provider's count endpoint counts this form: it never carries
+    a tool call without its definitions or a file to fetch, and it always starts as a request must."""
+    out: list[ModelMessage] = []
+    for message in messages:
+        text = "\n".join(t for t in _part_texts(message) if t)
+        if not text:
+            continue
+        request = isinstance(message, ModelRequest)
+        if out and isinstance(out[-1], ModelRequest) == request:
+            text = f"{_text_of(out.pop())}\n{text}"
+        elif not out and not request:
+            out.append(ModelRequest(parts=[UserPromptPart(".")]))
+        out.append(ModelRequest(parts=[UserPromptPart(text)]) if request else ModelResponse(parts=[TextPart(text)]))
+    return out
+
+
+def _text_of(message: ModelMessage) -> str:
+    part = message.parts[0]
+    return part.content if isinstance(part, UserPromptPart | TextPart) and isinstance(part.content, str) else ""
 
 
 def _part_texts(message: ModelMessage) -> Iterator[str]:

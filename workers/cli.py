@@ -371,7 +371,8 @@ def describe_budget(decision: dict[str, Any]) -> str:
             f"{b['instructions']}, query {b['query']}, tools {b['tools']}, output {b['max_output']}, margin "
             f"{b['safety_margin']}); kept {w['kept_turns']} turns ({w['kept_tokens']} tokens), dropped "
             f"{w['dropped_turns']} ({w['dropped_tokens']} tokens): {w['reason']}; counted with "
-            f"{decision['tokenizer']}")
+            f"{decision['tokenizer']}"
+            + (f" (instead of {decision['tokenizer_fallback']})" if decision.get("tokenizer_fallback") else ""))
 
 
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from threadline.pipeline.budget import answering_limits, history_budget
-from threadline.pipeline.history import ThreadRead, count_turn, summary_messages
+from threadline.pipeline.history import ThreadRead, summary_messages, turn_messages
 from threadline.pipeline.invoke import run_instructions, user_prompt
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
-from threadline.pipeline.tokens import MESSAGE_OVERHEAD_TOKENS, Tokenizer, count_messages, count_tool_definitions
 
+from .counters import CountUnavailable, TokenCounter
 from .files import check_files
 from .models import build_tools
 from .runtime import Runtime
-from .tokenizers import load_tokenizer
 
 Loader = Callable[[Runtime, ResolvedTurn, str], Awaitable[Any]]
 
@@ -23,26 +23,32 @@ Loader = Callable[[Runtime, ResolvedTurn, str], Awaitable[Any]]
 READ_BATCH = 32
 
 
-def _text_tokens(text: str | None, tokenizer: Tokenizer) -> int:
-    return tokenizer.count(text) + MESSAGE_OVERHEAD_TOKENS if text else 0
-
-
 async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead:
     """The thread's newest turns, walked back from the turn's parent (never read by a row count from
     the conversation's newest message, so a branch from any old message sees its own thread), until
     they overflow the history budget and pass the start the parent's request kept; with their token
-    counts, counted once per turn and tokenizer and cached with the conversation."""
+    counts, counted once per turn and counter and cached with the conversation. When the provider's
+    count endpoint fails, the read counts with the provider's local default, and says so."""
+    counter = rt.counter(turn.config.model)
+    try:
+        return await _read_thread(rt, turn, stage, counter)
+    except CountUnavailable as e:
+        read = await _read_thread(rt, turn, stage, e.fallback)
+        return dataclasses.replace(read, tokenizer_fallback=f"{counter.name}: {e.reason}")
+
+
+async def _read_thread(rt: Runtime, turn: ResolvedTurn, stage: str, counter: TokenCounter) -> ThreadRead:
     spec = turn.config.model
-    tokenizer = load_tokenizer(spec.tokenizer, spec.provider)
     tools = build_tools(turn.config.tools, allow_python=rt.settings.allow_python_models)
     prompt = user_prompt(turn, vision=False)
     query = prompt if isinstance(prompt, str) else " ".join(p for p in prompt or () if isinstance(p, str))
     limits = answering_limits(spec)  # the history must fit every model that may answer (fallbacks)
+    instructions, query_tokens, tool_tokens = await asyncio.gather(
+        counter.text(run_instructions(turn)), counter.text(query), counter.tools([t.tool_def for t in tools]))
     budget = history_budget(
         context_window=limits.context_window, max_output=limits.max_output,
         safety_margin=turn.config.memory.safety_margin_tokens,
-        instructions=_text_tokens(run_instructions(turn), tokenizer), query=_text_tokens(query, tokenizer),
-        tools=count_tool_definitions([t.tool_def for t in tools], tokenizer),
+        instructions=instructions, query=query_tokens, tools=tool_tokens,
     )
     store, cid = rt.store, turn.conversation_id
     previous_start = None
@@ -60,7 +66,7 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
         while current is not None and current in by_id:
             chain.append(by_id[current])
             current = by_id[current].parent_id
-        counts.update(await _counts(rt, cid, chain, tokenizer, snapshots))
+        counts.update(await _counts(rt, cid, chain, counter, snapshots))
         for record in chain:
             rows.append(record)
             used += counts[record.id]
@@ -77,12 +83,13 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
         found = await store.summaries(cid, [r.id for r in rows])
         if not found and rows[0].parent_id:
             found = await _summary_below(rt, cid, rows[0].parent_id, limit)
-        summaries = {mid: (text, count_messages(summary_messages(text), tokenizer)) for mid, text in found.items()}
+        summary_counts = await counter.turns({mid: summary_messages(text) for mid, text in found.items()})
+        summaries = {mid: (text, summary_counts[mid]) for mid, text in found.items()}
     # the files of the turns read, asked about in one batch (the history keeps some of these turns)
     files = await check_files((f.url for r in rows for f in r.files), mode=rt.settings.file_check)
     return ThreadRead(rows=rows, snapshots=snapshots, counts=counts, complete=not rows or rows[0].parent_id is None,
-                      previous_start=previous_start, budget=budget, tokenizer=tokenizer.name, summaries=summaries,
-                      files=files, vision=spec.vision, counter=tokenizer)
+                      previous_start=previous_start, budget=budget, tokenizer=counter.name, summaries=summaries,
+                      files=files, vision=spec.vision, counter=counter.tokenizer)
 
 
 async def _summary_below(rt: Runtime, cid: str, start: str, limit: int) -> dict[str, str]:
@@ -105,19 +112,20 @@ async def _summary_below(rt: Runtime, cid: str, start: str, limit: int) -> dict[
     return {}
 
 
-async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], tokenizer: Tokenizer,
+async def _counts(rt: Runtime, cid: str, chain: list[MessageRecord], counter: TokenCounter,
                   snapshots: dict[str, bytes]) -> dict[str, int]:
     """Token counts of `chain`'s turns: cached ones read, the others counted once and cached (their
     snapshots, read to count them, are added to `snapshots` so that they are read once)."""
     ids = [r.id for r in chain]
-    cached = await rt.store.token_counts(cid, ids, tokenizer.name)
+    cached = await rt.store.token_counts(cid, ids, counter.name)
     counts = cached.counts
     missing = [r for r in chain if r.id not in counts]
     if missing:
         snapshots.update(await rt.store.load_snapshots(cid, [r.id for r in missing if r.id not in snapshots]))
-        # counting is CPU work: off the event loop, so the process's other turns keep streaming
-        fresh = await asyncio.to_thread(lambda: {r.id: count_turn(r, snapshots.get(r.id), tokenizer) for r in missing})
-        await rt.store.save_token_counts(cid, fresh, tokenizer.name, versions=cached.versions)
+        # decoding is CPU work: off the event loop, so the process's other turns keep streaming
+        decoded = await asyncio.to_thread(lambda: {r.id: turn_messages(r, snapshots.get(r.id)) for r in missing})
+        fresh = await counter.turns(decoded)
+        await rt.store.save_token_counts(cid, fresh, counter.name, versions=cached.versions)
         counts.update(fresh)
     return counts
 

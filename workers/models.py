@@ -43,6 +43,11 @@ def build_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool =
     return StrictSystemModel(_base_model(spec, env=env, allow_python=allow_python), profile_for(spec))
 
 
+def build_counting_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool = False) -> Model:
+    """The bare model of `spec` alone (no fallback, no profile wrapper), for its count endpoint."""
+    return _base_model(spec, env=env, allow_python=allow_python)
+
+
 def _fallback_chain(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool) -> Model:
     # Every model of the chain is built (and its key checked) up front: a broken fallback fails the turn
     # now rather than on the day the primary is down. The chain moves on exactly where Threadline would

@@ -58,16 +58,15 @@ from threadline.pipeline.records import ConversationRecord, MessageRecord, Resol
 from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
 from threadline.pipeline.stages import Stage, StageInput
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
-from threadline.pipeline.tokens import count_messages
 
 from . import metrics, tracing
 from .control import CANCEL_ACTOR, CONTROL_QUEUE
+from .counters import CountUnavailable
 from .limiter import limited_model, turn_limiter
 from .loaders import LOADERS
 from .runtime import Runtime
 from .store import WAKE_ID, Accept, Begin, Finish, Next
 from .stream import TurnStream
-from .tokenizers import load_tokenizer
 from .wire import build_message
 
 log = structlog.get_logger(__name__)
@@ -357,15 +356,20 @@ async def _clear_old_tool_results(rt: Runtime, cid: str, turn_id: str, config: A
     thread = await _thread_to_summary(rt, cid, turn_id, limit=config.memory.message_limit)
     stored = await rt.store.load_snapshots(cid, turns_to_clear(thread))
     try:
-        tokenizer = load_tokenizer(config.model.tokenizer, config.model.provider)
-        # decoding, clearing and counting are CPU work: off the event loop
+        counter = rt.counter(config.model)
+        # decoding and clearing are CPU work: off the event loop
         cleared = await asyncio.to_thread(clear_snapshots, stored)
     except ThreadlineError as e:
         return {"error": e.code}
-    counts = await asyncio.to_thread(lambda: {mid: count_messages(c.messages, tokenizer) for mid, c in cleared.items()})
+    turns = {mid: c.messages for mid, c in cleared.items()}
+    try:
+        counts = await counter.turns(turns)
+    except CountUnavailable as e:  # counted with the fallback, and cached under its name
+        counter = e.fallback
+        counts = await counter.turns(turns)
     write = await rt.store.clear_tool_results(
         cid, {mid: (stored[mid], encode_messages(c.messages)) for mid, c in cleared.items()},
-        counts=counts, tokenizer=tokenizer.name) if cleared else "cleared"
+        counts=counts, tokenizer=counter.name) if cleared else "cleared"
     record = {"results": sum(c.results for c in cleared.values()), "chars": sum(c.chars for c in cleared.values()),
               "turns": len(cleared), "examined": len(stored), "write": write}
     log.info("tool_results_cleared", **record)

@@ -19,7 +19,7 @@ from collections import Counter
 import structlog
 
 from threadline.pipeline import events
-from threadline.pipeline.config import TRUSTED, ModelSpec
+from threadline.pipeline.config import PROVIDER_TOKENIZER, TRUSTED, ModelSpec
 from threadline.pipeline.errors import ErrorCode
 from threadline.pipeline.events import TerminalType
 from threadline.pipeline.invoke import TurnAgent, build_agent
@@ -29,10 +29,12 @@ from threadline.pipeline.stages import StageGraph
 
 from . import metrics, tracing
 from .control import CancelRegistry
+from .counters import LocalCounter, ProviderCounter, TokenCounter
 from .logs import add_secret
-from .models import build_model, build_tools, model_secrets
+from .models import build_counting_model, build_model, build_tools, model_secrets
 from .settings import Settings
 from .store import Finish, Store
+from .tokenizers import load_tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +48,7 @@ class Runtime:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._agents: dict[str, TurnAgent] = {}
         self._agents_lock = threading.Lock()
+        self._counters: dict[str, ProviderCounter] = {}
         #: Turns this process runs a stage of now (its heartbeat lists them), and those whose model
         #: run it cancelled to hand them to another worker (it is stopping).
         self._held: Counter[str] = Counter()
@@ -93,6 +96,24 @@ class Runtime:
                 agent = build_agent(model, build_tools(tools, allow_python=allow))
                 self._agents[key] = agent
             return agent
+
+    def counter(self, spec: ModelSpec) -> TokenCounter:
+        """What the history budget counts with: the configured tokenizer, or the provider's count
+        endpoint (one client per model, built on first use and reused, like an agent's)."""
+        if spec.tokenizer != PROVIDER_TOKENIZER:
+            return LocalCounter(load_tokenizer(spec.tokenizer, spec.provider))
+        key = json.dumps([spec.provider, spec.name, spec.base_url, spec.api_key_env, spec.options], sort_keys=True)
+        with self._agents_lock:
+            counter = self._counters.get(key)
+            if counter is None:
+                alone = spec.model_copy(update={"fallback": []})
+                self.settings.policy.check(alone)
+                model = build_counting_model(alone, env=self.settings.model_env,
+                                             allow_python=self.settings.allow_python_models)
+                fallback = LocalCounter(load_tokenizer(None, spec.provider))
+                counter = self._counters[key] = ProviderCounter(f"provider:{spec.provider}:{spec.name}", model,
+                                                                fallback)
+            return counter
 
     def secrets(self, spec: ModelSpec) -> list[str]:
         """The key values a model uses: scrubbed from its error messages and from every log line."""

@@ -34,6 +34,7 @@ from threadline.pipeline.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     CharsTokenizer,
     Tokenizer,
+    as_text_exchange,
     count_message,
     count_messages,
     count_tool_definitions,
@@ -186,3 +187,43 @@ def test_counts_add_up_over_a_split_history(first: list[str], second: list[str])
         whole = count_messages(history(first + second), tokenizer)
         assert whole == count_messages(history(first), tokenizer) + count_messages(history(second), tokenizer)
         assert whole >= MESSAGE_OVERHEAD_TOKENS * len(first + second)
+
+
+# --- the text form a provider's count endpoint counts ---------------------------------------------
+
+
+def _roles_and_texts(messages: list[ModelMessage]) -> list[tuple[str, str]]:
+    out = []
+    for m in messages:
+        (part,) = m.parts
+        assert isinstance(part, UserPromptPart | TextPart) and isinstance(part.content, str)
+        out.append(("user" if isinstance(m, ModelRequest) else "assistant", part.content))
+    return out
+
+
+def test_the_text_exchange_keeps_every_counted_text_in_alternating_roles() -> None:
+    turn: list[ModelMessage] = [
+        ModelRequest(parts=[UserPromptPart(["look at this", ImageUrl(url="https://x.test/a.png")])]),
+        ModelResponse(parts=[ThinkingPart("hmm"), ToolCallPart("lookup", {"q": "a"}, tool_call_id="c1")]),
+        ModelRequest(parts=[ToolReturnPart("lookup", "found a", tool_call_id="c1")]),
+        ModelRequest(parts=[UserPromptPart("and then?")]),
+        ModelResponse(parts=[TextPart("done")]),
+    ]
+    assert _roles_and_texts(as_text_exchange(turn)) == [
+        ("user", "look at this"),
+        ("assistant", 'hmm\nlookup\n{"q":"a"}'),
+        ("user", "found a\nand then?"),  # same-role neighbours merged
+        ("assistant", "done"),
+    ]
+    # the same texts a local tokenizer counts, so the two kinds of count agree on what they count
+    recorder = Recorder()
+    count_messages(turn, recorder)
+    exchanged = "\n".join(text for _, text in _roles_and_texts(as_text_exchange(turn)))
+    assert recorder.texts == exchanged.split("\n")
+
+
+def test_the_text_exchange_starts_with_the_user_and_leaves_out_empty_messages() -> None:
+    assert as_text_exchange([]) == []
+    assert as_text_exchange([ModelRequest(parts=[UserPromptPart("")])]) == []
+    exchange = as_text_exchange([ModelResponse(parts=[TextPart("")]), ModelResponse(parts=[TextPart("hi")])])
+    assert _roles_and_texts(exchange) == [("user", "."), ("assistant", "hi")]

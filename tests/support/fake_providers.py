@@ -10,6 +10,11 @@ wire, and which key went with it (pydantic-ai's Anthropic model streams even a r
 streamed; the others ask for a plain answer then). `always_status=429` answers every request with that status, a
 `Retry-After` header and an error body in the provider's format.
 
+Anthropic, Gemini and Bedrock also serve their token count endpoints (`count_tokens`, `countTokens`,
+`CountTokens`), counting with `request_tokens`: a crude tokenizer (words and punctuation marks) over
+every text of the request, plus 3 tokens per request and per message. A test counts the requests the
+model was sent with the same function. `count_status` answers only the count endpoint with a status.
+
     with FakeProvider("anthropic") as server:
         ...  # point a model at server.base_url; then look at server.exchanges
 """
@@ -47,6 +52,8 @@ class Exchange:
     status: int
     #: Whether the request asked for a streamed answer (None: not a route this double serves).
     streamed: bool | None
+    #: The operation served ("count" for a token count), None: not a route this double serves.
+    route: str | None = None
 
     @property
     def credential(self) -> str | None:
@@ -72,10 +79,11 @@ class FakeProvider(LocalServer):
 
     def __init__(
         self, provider: ProviderName, *, always_status: int | None = None, retry_after: str = "0",
-        model: str = "fake-model",
+        model: str = "fake-model", count_status: int | None = None,
     ) -> None:
         self.provider = provider
         self.always_status = always_status
+        self.count_status = count_status
         self.retry_after = retry_after
         self.model = model
         self.text = answer_text(provider)
@@ -101,7 +109,7 @@ class FakeProvider(LocalServer):
 
 # --- which request is which -----------------------------------------------------------------------
 
-Operation = Literal["chat", "anthropic", "gemini", "converse"]
+Operation = Literal["chat", "anthropic", "gemini", "converse", "count"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +118,9 @@ class Route:
     stream: bool
 
 
-_GEMINI = re.compile(r"^/v1(beta|alpha)?/models/[^/:]+:(generateContent|streamGenerateContent)$")
-_CONVERSE = re.compile(r"^/model/[^/]+/(converse|converse-stream)$")
+_GEMINI = re.compile(r"^/v1(beta|alpha)?/models/[^/:]+:(generateContent|streamGenerateContent|countTokens)$")
+_CONVERSE = re.compile(r"^/model/[^/]+/(converse|converse-stream|count-tokens)$")
+_COUNT_OPERATIONS = {"countTokens", "count-tokens"}
 _CHAT_PATHS: dict[ProviderName, str] = {
     "openai": "/v1/chat/completions", "groq": "/openai/v1/chat/completions", "mistral": "/v1/chat/completions",
 }
@@ -123,12 +132,58 @@ def route(provider: ProviderName, path: str, body: dict[str, Any]) -> Route | No
     if provider in _CHAT_PATHS:
         return Route("chat", bool(body.get("stream"))) if path == _CHAT_PATHS[provider] else None
     if provider == "anthropic":
+        if path == "/v1/messages/count_tokens":
+            return Route("count", False)
         return Route("anthropic", bool(body.get("stream"))) if path == "/v1/messages" else None
     if provider == "google":
         match = _GEMINI.match(path)
+        if match and match.group(2) in _COUNT_OPERATIONS:
+            return Route("count", False)
         return Route("gemini", match.group(2) == "streamGenerateContent") if match else None
     match = _CONVERSE.match(path)
+    if match and match.group(1) in _COUNT_OPERATIONS:
+        return Route("count", False)
     return Route("converse", match.group(1) == "converse-stream") if match else None
+
+
+# --- token counts ---------------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+#: Keys whose values are structure, not text the model reads.
+_STRUCTURAL = frozenset({"role", "type", "model", "modelId", "id", "tool_use_id", "toolUseId", "stream",
+                         "cache_control", "max_tokens", "anthropic_version"})
+
+
+def text_tokens(text: str) -> int:
+    """The fake tokenizer: one token per word and per punctuation mark."""
+    return len(_TOKEN.findall(text))
+
+
+def request_tokens(body: Any) -> int:
+    """What a request costs by the fake's count: 3, plus 3 per message, plus every text's tokens (the
+    same function counts a count request and the request a model was sent, in each wire format)."""
+    return 3 + _tokens(body)
+
+
+def _tokens(value: Any, key: str = "") -> int:
+    if isinstance(value, str):
+        return 0 if key in _STRUCTURAL else text_tokens(value)
+    if isinstance(value, dict):
+        return sum(_tokens(v, k) for k, v in value.items())
+    if isinstance(value, list):
+        per_message = 3 if key in ("messages", "contents") else 0
+        return sum(per_message + _tokens(v, key) for v in value)
+    return 0
+
+
+def count_answer(provider: ProviderName, body: dict[str, Any]) -> dict[str, Any]:
+    """A count endpoint's answer, in `provider`'s format."""
+    n = request_tokens(body)
+    if provider == "anthropic":
+        return {"input_tokens": n}
+    if provider == "google":
+        return {"totalTokens": n}
+    return {"inputTokens": n}
 
 
 # --- the HTTP handler -----------------------------------------------------------------------------
@@ -148,12 +203,15 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError:
                 body = {"_raw": raw.decode(errors="replace")}
             found = route(server.provider, self.path, body) if self.command == "POST" else None
-            status = server.always_status or (HTTPStatus.OK if found else HTTPStatus.NOT_FOUND)
+            status = _status(server, found)
             headers = {k.lower(): v for k, v in self.headers.items()}
             streamed = found.stream if found else None
-            server.record(Exchange(self.command, self.path, headers, body, int(status), streamed))
+            server.record(Exchange(self.command, self.path, headers, body, int(status), streamed,
+                                   found.operation if found else None))
             if status != HTTPStatus.OK or found is None:
                 self._error(int(status))
+            elif found.operation == "count":
+                self._json(HTTPStatus.OK, count_answer(server.provider, body))
             elif found.stream:
                 self._stream(found.operation)
             else:
@@ -196,6 +254,12 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
             pass  # pytest output stays readable; `server.exchanges` is the log
 
     return Handler
+
+
+def _status(server: FakeProvider, found: Route | None) -> int:
+    if found is not None and found.operation == "count" and server.count_status:
+        return server.count_status
+    return server.always_status or (HTTPStatus.OK if found else HTTPStatus.NOT_FOUND)
 
 
 def _complete(operation: Operation, server: FakeProvider) -> dict[str, Any]:

@@ -21,7 +21,14 @@ import pytest
 from botocore.eventstream import ChecksumMismatch, EventStreamBuffer
 
 from tests.conftest import ROOT, WorkerPool, turn
-from tests.support.fake_providers import INPUT_TOKENS, OUTPUT_TOKENS, FakeProvider, ProviderName, event_message
+from tests.support.fake_providers import (
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    FakeProvider,
+    ProviderName,
+    event_message,
+    request_tokens,
+)
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig, config_to_json
 from threadline.pipeline.errors import ThreadlineError
@@ -292,3 +299,63 @@ def _write_raw(client: Client, config: AgentConfig) -> None:
     client.redis.set(client.keys.agent_version(config.id, 1), config_to_json(config))
     client.redis.hset(client.keys.agent(config.id), mapping={"active": 1, "latest": 1})
     client.redis.sadd(client.keys.agents(), config.id)
+
+
+# --- model.tokenizer: provider --------------------------------------------------------------------
+
+WINDOW, MAX_OUTPUT, TURNS = 300, 40, 10
+INSTRUCTIONS = "You are a terse assistant. Answer in one short sentence."
+
+
+def _conversation(client: Client, model: dict[str, Any], queries: list[str]) -> list[tuple[str, ev.Terminal]]:
+    agent = f"agent-{uuid.uuid4().hex[:10]}"
+    client.put_agent(AgentConfig.model_validate({"id": agent, "model": model, "instructions": INSTRUCTIONS,
+                                                 "memory": {"safety_margin_tokens": 0}}))
+    ended: list[tuple[str, ev.Terminal]] = []
+    conversation: dict[str, str] = {}
+    for query in queries:
+        turn_id = client.submit(turn(agent, query, **conversation))
+        terminal = client.wait(turn_id, timeout_s=30)
+        assert isinstance(terminal, ev.Succeeded), terminal
+        conversation = {"conversation_id": terminal.conversation_id}
+        ended.append((turn_id, terminal))
+    return ended
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "google", "bedrock"])
+def test_tokenizer_provider_fits_every_request_by_the_providers_own_count(keyed: Client, provider: str) -> None:
+    case = CASES[provider]
+    queries = [f"Question {i}: " + "tell me more about the history of this old town " * 3 for i in range(TURNS)]
+    with FakeProvider(case.provider) as server:
+        model = case.model(server, tokenizer="provider", context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
+        ended = _conversation(keyed, model, queries)
+
+    sent = [e for e in server.exchanges if e.streamed is not None and e.route != "count"]
+    counts = [e for e in server.exchanges if e.route == "count"]
+    assert len(sent) == TURNS
+    # the contract, by the provider's own count: no request exceeds the window less the answer's reserve
+    assert max(request_tokens(e.body) for e in sent) <= WINDOW - MAX_OUTPUT
+    # and the budget was used: early turns were dropped, a later request still carries history
+    assert queries[0] not in json.dumps(sent[-1].body) and queries[-2] in json.dumps(sent[-1].body)
+    # each text counted once: the instructions once per process, then the query and the turn before it
+    assert len(counts) <= 1 + 2 * TURNS
+    decision = keyed.decisions(ended[-1][0])["history"]
+    assert decision["tokenizer"] == f"provider:{provider}:{case.name}" and "tokenizer_fallback" not in decision
+    assert decision["window"]["dropped_turns"] > 0 and decision["window"]["kept_turns"] > 0
+
+
+def test_tokenizer_provider_counts_locally_and_says_so_when_the_endpoint_fails(keyed: Client) -> None:
+    case = CASES["anthropic"]
+    with FakeProvider(case.provider, count_status=503) as server:
+        model = case.model(server, tokenizer="provider", context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
+        ended = _conversation(keyed, model, ["first question", "second question"])
+
+    for turn_id, _ in ended:
+        decision = keyed.decisions(turn_id)["history"]
+        assert decision["tokenizer"] == "tiktoken:cl100k_base"
+        assert decision["tokenizer_fallback"].startswith(f"provider:anthropic:{case.name}: the count endpoint failed")
+        assert "HTTP 503" in decision["tokenizer_fallback"]
+    # the endpoint is left alone after its failure: only the first turn's texts (asked at the same time)
+    # went to it, the second turn asked nothing
+    asked = [json.dumps(e.body) for e in server.exchanges if e.route == "count"]
+    assert 1 <= len(asked) <= 2 and not any("second question" in body for body in asked)

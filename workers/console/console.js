@@ -264,7 +264,9 @@ function renderBudget(record, byId) {
   const legend = el("ul", { class: "legend" }, ...shown.map(([part, label, tokens]) =>
     el("li", {}, el("i", { class: "seg " + part }), ` ${label} ${tokens}`)));
   const w = record.window;
-  const caption = `${record.budget.context_window}-token window (${record.tokenizer}); history budget ` +
+  const counted = record.tokenizer_fallback ? `${record.tokenizer}, instead of ${record.tokenizer_fallback}`
+    : record.tokenizer;
+  const caption = `${record.budget.context_window}-token window (${counted}); history budget ` +
     `${record.budget.history}: kept ${turns(w.kept_turns)} (${w.kept_tokens} tokens), dropped ` +
     `${turns(w.dropped_turns)} (${w.dropped_tokens} tokens): ${w.reason.replaceAll("_", " ")}`;
   return el("details", { class: "budget", open: "" },
