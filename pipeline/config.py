@@ -121,6 +121,9 @@ class _Doc(BaseModel):
 #: `Model.count_tokens` too).
 PROVIDER_TOKENIZER = "provider"
 COUNTING_PROVIDERS: frozenset[str] = frozenset({"anthropic", "google", "bedrock", "python"})
+#: The hosted providers whose models count with their own endpoint when a config names no tokenizer:
+#: their tokenizers ship nowhere, and a local vocabulary would only approximate them.
+COUNTED_BY_DEFAULT: frozenset[str] = frozenset({"anthropic", "google", "bedrock"})
 
 
 class ModelSpec(_Doc):
@@ -137,7 +140,8 @@ class ModelSpec(_Doc):
     vision: bool = False
     #: The tokenizer the history budget counts with: `tiktoken:cl100k_base`, `tiktoken:o200k_base`,
     #: `hf:<path to tokenizer.json>`, `chars/4`, or `provider` (the provider's own count endpoint, for
-    #: the providers in `COUNTING_PROVIDERS`); None: the provider's default (`workers/tokenizers.py`).
+    #: the providers in `COUNTING_PROVIDERS`); None: the provider's default (`provider` for those in
+    #: `COUNTED_BY_DEFAULT`, else by `workers/tokenizers.py`).
     tokenizer: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     #: Offline and test models only: options passed to the model factory.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -157,6 +161,13 @@ class ModelSpec(_Doc):
             value = {"provider": provider, "name": name}
         _refuse_credentials(value, info)
         return value
+
+    def counts_with_provider(self) -> bool:
+        """Whether the history budget counts with the provider's count endpoint (configured, or the
+        provider's default)."""
+        if self.tokenizer is None:
+            return self.provider in COUNTED_BY_DEFAULT
+        return self.tokenizer == PROVIDER_TOKENIZER
 
     @model_validator(mode="after")
     def _countable(self) -> ModelSpec:

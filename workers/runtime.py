@@ -19,7 +19,7 @@ from collections import Counter
 import structlog
 
 from threadline.pipeline import events
-from threadline.pipeline.config import PROVIDER_TOKENIZER, TRUSTED, ModelSpec
+from threadline.pipeline.config import TRUSTED, ModelSpec
 from threadline.pipeline.errors import ErrorCode
 from threadline.pipeline.events import TerminalType
 from threadline.pipeline.invoke import TurnAgent, build_agent
@@ -100,7 +100,7 @@ class Runtime:
     def counter(self, spec: ModelSpec) -> TokenCounter:
         """What the history budget counts with: the configured tokenizer, or the provider's count
         endpoint (one client per model, built on first use and reused, like an agent's)."""
-        if spec.tokenizer != PROVIDER_TOKENIZER:
+        if not spec.counts_with_provider():
             return LocalCounter(load_tokenizer(spec.tokenizer, spec.provider))
         key = json.dumps([spec.provider, spec.name, spec.base_url, spec.api_key_env, spec.options], sort_keys=True)
         with self._agents_lock:

@@ -13,7 +13,8 @@ streamed; the others ask for a plain answer then). `always_status=429` answers e
 Anthropic, Gemini and Bedrock also serve their token count endpoints (`count_tokens`, `countTokens`,
 `CountTokens`), counting with `request_tokens`: a crude tokenizer (words and punctuation marks) over
 every text of the request, plus 3 tokens per request and per message. A test counts the requests the
-model was sent with the same function. `count_status` answers only the count endpoint with a status.
+model was sent with the same function. `count_status` answers only the count endpoint with a status,
+`count_delay_s` after a pause.
 
     with FakeProvider("anthropic") as server:
         ...  # point a model at server.base_url; then look at server.exchanges
@@ -26,6 +27,7 @@ import json
 import re
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -79,11 +81,12 @@ class FakeProvider(LocalServer):
 
     def __init__(
         self, provider: ProviderName, *, always_status: int | None = None, retry_after: str = "0",
-        model: str = "fake-model", count_status: int | None = None,
+        model: str = "fake-model", count_status: int | None = None, count_delay_s: float = 0.0,
     ) -> None:
         self.provider = provider
         self.always_status = always_status
         self.count_status = count_status
+        self.count_delay_s = count_delay_s
         self.retry_after = retry_after
         self.model = model
         self.text = answer_text(provider)
@@ -211,6 +214,7 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
             if status != HTTPStatus.OK or found is None:
                 self._error(int(status))
             elif found.operation == "count":
+                time.sleep(server.count_delay_s)
                 self._json(HTTPStatus.OK, count_answer(server.provider, body))
             elif found.stream:
                 self._stream(found.operation)

@@ -23,7 +23,10 @@ from pydantic_ai.messages import (
     ToolReturnPart,
     UserPromptPart,
 )
+from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.usage import RequestUsage
 
 
 def _record(options: dict[str, Any], line: dict[str, Any]) -> None:
@@ -97,6 +100,21 @@ def tool_then_answer(options: dict[str, Any]) -> FunctionModel:
         yield f"The tool said: {result.model_response_str()}"
 
     return FunctionModel(stream_function=stream, model_name="test:tool")
+
+
+class CountingFunctionModel(FunctionModel):
+    """A `FunctionModel` with a count endpoint of its own (`model.tokenizer: provider` on a `python:`
+    factory): 3 tokens per request and per message, plus ⌈characters ÷ 4⌉ of every text part."""
+
+    async def count_tokens(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
+                           model_request_parameters: ModelRequestParameters) -> RequestUsage:
+        texts = [p.content for m in messages for p in m.parts if isinstance(getattr(p, "content", None), str)]
+        return RequestUsage(input_tokens=3 + 3 * len(messages) + sum((len(t) + 3) // 4 for t in texts))
+
+
+def counting_tool_then_answer(options: dict[str, Any]) -> FunctionModel:
+    """`tool_then_answer` that counts its own tokens (`CountingFunctionModel`)."""
+    return CountingFunctionModel(stream_function=tool_then_answer(options).stream_function, model_name="test:tool")
 
 
 def ask_then_answer(options: dict[str, Any]) -> FunctionModel:

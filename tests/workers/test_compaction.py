@@ -50,12 +50,17 @@ def test_a_code_word_of_turn_1_reaches_turn_40_through_the_summary(workers: Work
     assert {k.decode() for k in summaries} <= {m.id for m in client.messages(conversation)}
 
 
+@pytest.mark.parametrize(("factory", "counter"), [
+    ("tool_then_answer", load_tokenizer(None, "python").name),
+    # the model's own count (`model.tokenizer: provider`): the cleared turns are counted by it again
+    ("counting_tool_then_answer", "provider:python:tests.support.models:counting_tool_then_answer"),
+], ids=["local", "provider"])
 def test_a_cut_window_clears_old_tool_results_keeping_the_calls_and_counting_them_again(
-        workers: WorkerPool, client: Client, make_agent: AgentFactory) -> None:
+        workers: WorkerPool, client: Client, make_agent: AgentFactory, factory: str, counter: str) -> None:
     tool = "python:tests.support.models:long_text"
-    agent = make_agent({"provider": "python", "name": "tests.support.models:tool_then_answer",
+    agent = make_agent({"provider": "python", "name": f"tests.support.models:{factory}",
                         "options": {"tool": "long_text", "args": {"chars": 600}}, "context_window": 1500,
-                        "max_output_tokens": 100},
+                        "max_output_tokens": 100, "tokenizer": "provider" if counter.startswith("provider") else None},
                        tools=[tool],
                        memory={"safety_margin_tokens": 50, "compaction": {"summariser": "offline:summary"}})
     conversation, turn_ids = None, []
@@ -75,7 +80,7 @@ def test_a_cut_window_clears_old_tool_results_keeping_the_calls_and_counting_the
     # every turn but the newest two (the cut turn and its parent) lost its tool result's content
     assert first["write"] == "cleared" and first["turns"] == first["results"] == cuts[0] - 1
     assert first["chars"] == 600 * (cuts[0] - 1)
-    tokenizer = load_tokenizer(None, "python")
+    assert all(d["history"]["tokenizer"] == counter for d in decisions)
     counts = client.redis.hgetall(client.keys.token_counts(conversation))
     for n, message_id in enumerate(turn_ids):
         messages = decode_messages(client.snapshot(conversation, message_id) or b"", where=message_id)
@@ -87,8 +92,8 @@ def test_a_cut_window_clears_old_tool_results_keeping_the_calls_and_counting_the
             assert results[0].content == "[tool result cleared: 600 chars]"
             # counted again, under the snapshot's next content version; the old count is gone
             assert counts[f"{message_id}|version".encode()] == b"1"
-            assert f"{message_id}|{tokenizer.name}".encode() not in counts
-            assert int(counts[f"{message_id}#1|{tokenizer.name}".encode()]) < 300
+            assert f"{message_id}|{counter}".encode() not in counts
+            assert int(counts[f"{message_id}#1|{counter}".encode()]) < 300
         else:
             assert results[0].content == "".join(str(i % 10) for i in range(600))
 

@@ -6,6 +6,7 @@ when the endpoint fails."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from pydantic_ai.models import override_allow_model_requests
 
 from tests.support.fake_providers import FakeProvider, ProviderName, request_tokens, text_tokens
 from threadline.pipeline.config import ModelSpec
+from threadline.workers import counters
 from threadline.workers.cli import describe_budget
 from threadline.workers.counters import COUNT_RETRY_S, CountUnavailable, LocalCounter, ProviderCounter
 from threadline.workers.models import build_counting_model
@@ -132,6 +134,20 @@ def test_a_failing_endpoint_names_the_fallback_and_is_left_alone_for_a_while() -
 
     with FakeProvider("anthropic", count_status=500) as server:
         asyncio.run(run(server))
+
+
+def test_a_slow_endpoint_is_given_up_on_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(counters, "COUNT_TIMEOUT_S", 0.2)
+
+    async def run(server: FakeProvider) -> float:
+        counter = counter_for(server)
+        started = time.monotonic()
+        with pytest.raises(CountUnavailable, match=r"no answer within 0\.2 s"):
+            await counter.turns({"t1": TURN, "t2": TURN[:1]})
+        return time.monotonic() - started
+
+    with FakeProvider("anthropic", count_delay_s=1.0) as server:
+        assert asyncio.run(run(server)) < 0.8
 
 
 def test_the_fallback_counts_locally_with_four_tokens_per_message() -> None:

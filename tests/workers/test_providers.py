@@ -24,16 +24,18 @@ from tests.conftest import ROOT, WorkerPool, turn
 from tests.support.fake_providers import (
     INPUT_TOKENS,
     OUTPUT_TOKENS,
+    Exchange,
     FakeProvider,
     ProviderName,
     event_message,
     request_tokens,
 )
 from threadline.pipeline import events as ev
-from threadline.pipeline.config import AgentConfig, config_to_json
+from threadline.pipeline.config import COUNTED_BY_DEFAULT, AgentConfig, config_to_json
 from threadline.pipeline.errors import ThreadlineError
 from threadline.workers.client import Client
 from threadline.workers.settings import model_policy
+from threadline.workers.tokenizers import default_tokenizer
 
 # each provider's SDK is imported by the workers on its first turn (1 to 2 s each): the slow tier
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -152,6 +154,11 @@ def _run(client: Client, model: dict[str, Any]) -> tuple[str, ev.Terminal]:
     return turn_id, client.wait(turn_id, timeout_s=30)
 
 
+def _model_calls(server: FakeProvider) -> list[Exchange]:
+    """The requests for an answer (Anthropic, Gemini and Bedrock are also asked for token counts)."""
+    return [e for e in server.exchanges if e.route != "count"]
+
+
 def _streamed_text(client: Client, turn_id: str) -> str:
     return "".join(e.text for e in client.events(turn_id) if isinstance(e, ev.TextDelta))
 
@@ -189,9 +196,15 @@ def test_a_turn_against_each_provider_streams_its_answer_sent_with_the_conventio
     assert terminal.answer == server.text == f"hello from {case.provider}"
     assert _streamed_text(keyed, turn_id) == server.text
     assert (terminal.usage.input_tokens, terminal.usage.output_tokens) == (INPUT_TOKENS, OUTPUT_TOKENS)
-    (exchange,) = server.exchanges
+    (exchange,) = _model_calls(server)
     assert exchange.streamed is True, exchange.path
     assert exchange.credential == KEYS[case.key_env]
+    # the history budget counts with the provider's own endpoint where it has one (no tokenizer configured)
+    counted = [e for e in server.exchanges if e.route == "count"]
+    assert all(e.credential == KEYS[case.key_env] for e in counted)
+    assert bool(counted) == (case.provider in COUNTED_BY_DEFAULT)
+    assert keyed.decisions(turn_id)["history"]["tokenizer"] == (
+        f"provider:{case.provider}:{case.name}" if counted else default_tokenizer(case.provider))
 
 
 def test_api_key_env_names_the_variable_whose_key_is_sent(keyed: Client) -> None:
@@ -200,7 +213,7 @@ def test_api_key_env_names_the_variable_whose_key_is_sent(keyed: Client) -> None
         _, terminal = _run(keyed, case.model(server, api_key_env=ALT_KEY_ENV))
 
     assert isinstance(terminal, ev.Succeeded), terminal
-    assert [e.credential for e in server.exchanges] == [ALT_KEY]
+    assert {e.credential for e in server.exchanges} == {ALT_KEY}  # the model call and its token counts
 
 
 @pytest.mark.parametrize("provider", ["openai-compatible", "vllm", "ollama"])
@@ -256,7 +269,7 @@ def test_a_server_that_always_answers_429_gets_exactly_the_attempts_per_turn(key
 
     for name, terminal in terminals.items():
         assert isinstance(terminal, ev.Failed) and terminal.code == "model_rate_limited", (name, terminal)
-        assert [e.status for e in servers[name].exchanges] == [429] * ATTEMPTS, name
+        assert [e.status for e in _model_calls(servers[name])] == [429] * ATTEMPTS, name
         retrying = [e for e in keyed.events(turns[name]) if isinstance(e, ev.Retrying)]
         assert len(retrying) == ATTEMPTS - 1, name
 
@@ -330,7 +343,7 @@ def test_tokenizer_provider_fits_every_request_by_the_providers_own_count(keyed:
         model = case.model(server, tokenizer="provider", context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
         ended = _conversation(keyed, model, queries)
 
-    sent = [e for e in server.exchanges if e.streamed is not None and e.route != "count"]
+    sent = _model_calls(server)
     counts = [e for e in server.exchanges if e.route == "count"]
     assert len(sent) == TURNS
     # the contract, by the provider's own count: no request exceeds the window less the answer's reserve
