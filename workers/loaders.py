@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from threadline.pipeline.budget import answering_limits, history_budget
+from threadline.pipeline.budget import BudgetParts, answering_limits, history_budget
 from threadline.pipeline.history import ThreadRead, summary_messages, turn_messages
 from threadline.pipeline.invoke import run_instructions, user_prompt
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
@@ -37,19 +37,41 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
         return dataclasses.replace(read, tokenizer_fallback=f"{counter.name}: {e.reason}")
 
 
-async def _read_thread(rt: Runtime, turn: ResolvedTurn, stage: str, counter: TokenCounter) -> ThreadRead:
-    spec = turn.config.model
+async def _budget(rt: Runtime, turn: ResolvedTurn, counter: TokenCounter) -> BudgetParts:
+    """The history budget: the fixed parts counted (at once: a provider counts each over HTTP)."""
     tools = build_tools(turn.config.tools, allow_python=rt.settings.allow_python_models)
     prompt = user_prompt(turn, vision=False)
     query = prompt if isinstance(prompt, str) else " ".join(p for p in prompt or () if isinstance(p, str))
-    limits = answering_limits(spec)  # the history must fit every model that may answer (fallbacks)
     instructions, query_tokens, tool_tokens = await asyncio.gather(
         counter.text(run_instructions(turn)), counter.text(query), counter.tools([t.tool_def for t in tools]))
-    budget = history_budget(
+    limits = answering_limits(turn.config.model)  # the history must fit every model that may answer (fallbacks)
+    return history_budget(
         context_window=limits.context_window, max_output=limits.max_output,
         safety_margin=turn.config.memory.safety_margin_tokens,
         instructions=instructions, query=query_tokens, tools=tool_tokens,
     )
+
+
+async def _read_thread(rt: Runtime, turn: ResolvedTurn, stage: str, counter: TokenCounter) -> ThreadRead:
+    # the fixed parts are counted while the thread is read and its new turn counted: with a provider's
+    # count endpoint the stage waits for one round trip, not two
+    budgeting = asyncio.create_task(_budget(rt, turn, counter))
+    try:
+        return await _walk_thread(rt, turn, stage, counter, budgeting)
+    finally:
+        budgeting.cancel()  # nothing when it is done
+        budgeting.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Task[BudgetParts]) -> None:
+    """Its error was raised through the walk, or no longer matters (the walk failed first)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _walk_thread(rt: Runtime, turn: ResolvedTurn, stage: str, counter: TokenCounter,
+                       budgeting: asyncio.Task[BudgetParts]) -> ThreadRead:
+    spec = turn.config.model
     store, cid = rt.store, turn.conversation_id
     previous_start = None
     if turn.parent_message_id is not None:
@@ -67,6 +89,7 @@ async def _read_thread(rt: Runtime, turn: ResolvedTurn, stage: str, counter: Tok
             chain.append(by_id[current])
             current = by_id[current].parent_id
         counts.update(await _counts(rt, cid, chain, counter, snapshots))
+        budget = await budgeting
         for record in chain:
             rows.append(record)
             used += counts[record.id]
@@ -76,6 +99,7 @@ async def _read_thread(rt: Runtime, turn: ResolvedTurn, stage: str, counter: Tok
                 break
         if current is None:
             break
+    budget = await budgeting
     rows.reverse()
     snapshots.update(await store.load_snapshots(cid, [r.id for r in rows if r.id not in snapshots]))
     summaries: dict[str, tuple[str, int]] = {}

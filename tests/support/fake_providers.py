@@ -195,6 +195,9 @@ def count_answer(provider: ProviderName, body: dict[str, Any]) -> dict[str, Any]
 def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # headers and body go out in two writes: without TCP_NODELAY the body waits for the client's
+        # delayed ACK of the headers (~40 ms a request)
+        disable_nagle_algorithm = True
 
         def do_POST(self) -> None:
             # every method is recorded (a test asserting that nothing was sent must see a stray GET
