@@ -1,7 +1,7 @@
 """The history stage counting with the provider's count endpoint (`model.tokenizer: provider`) and
 with a local tokenizer, in one run.
 
-    .venv/bin/python -m bench.counting                  # ~30 s
+    .venv/bin/python -m bench.counting                  # ~10 s
     .venv/bin/python -m bench.counting --latency-ms 250 # a slower endpoint
 
 One run starts its own `redis-server` (`bench/procs.py`) and a local fake of Anthropic's API whose
