@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
+import regex
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -220,6 +221,12 @@ GuardKeyword = Annotated[str, StringConstraints(strip_whitespace=True, min_lengt
 GuardPattern = Annotated[str, Field(min_length=1, max_length=MAX_PATTERN_CHARS)]
 
 
+def compile_pattern(pattern: str) -> regex.Pattern[str]:
+    """A guard pattern as it is searched (`pipeline/guards.py`): case-insensitive, Python `re` syntax
+    (the `regex` engine's version 0), on an engine whose searches take a timeout."""
+    return regex.compile(pattern, regex.IGNORECASE | regex.V0)
+
+
 class GuardRules(_Doc):
     """Moderation of one direction (`pipeline.guards`): a hit answers `reply` instead."""
 
@@ -236,10 +243,10 @@ class GuardRules(_Doc):
     def _compiled(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for i, pattern in enumerate(value):
             try:
-                compiled = re.compile(pattern, re.IGNORECASE)
-            except re.error as e:
+                compiled = compile_pattern(pattern)
+            except regex.error as e:
                 raise ValueError(f"patterns[{i}] is not a valid regular expression: {e}") from None
-            if compiled.search("") is not None:
+            if compiled.search("", timeout=1.0) is not None:
                 raise ValueError(f"patterns[{i}] matches the empty text: it would refuse everything")
         return value
 

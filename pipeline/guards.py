@@ -8,18 +8,26 @@ stream and whole texts, so a text refused whole is refused however it was stream
 
 Decisions name their rule by its place in the config (`input.keywords[2]`), never by its text: the
 decision record travels on events and rows, where a forbidden word must not appear.
+
+Patterns run on the `regex` engine, with a time budget: a pattern that backtracks catastrophically
+(`(a+)+$` on a long run of `a`s takes `re` longer than the universe has) would otherwise hold the
+worker's event loop, and with it every turn of the process and its heartbeat, for as long as the
+text is long. All the pattern searches of one text share `PATTERN_BUDGET_S`, measured with the
+clock the shell passes in; a search that runs out of it fails closed: the text is refused by that
+pattern, and the decision says it timed out.
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any, Literal
 
+import regex
 from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
@@ -30,12 +38,17 @@ from pydantic_ai.messages import (
     UserPromptPart,
 )
 
-from .config import GuardRules, GuardsSpec
+from .config import GuardRules, GuardsSpec, compile_pattern
 
 GuardKind = Literal["moderation", "annotation"]
 
 #: Where a sentence ends: after `.`, `!` or `?` followed by whitespace, after CJK full stops, at a line break.
 SENTENCE_END = re.compile("[.!?]\\s|[\u3002\uff01\uff1f\n]")
+#: The time every pattern search of one text (a query, or a whole streamed answer) may take together.
+PATTERN_BUDGET_S = 0.25
+
+#: Seconds from any fixed point (the shell passes `time.monotonic`).
+Clock = Callable[[], float]
 #: What a later turn's history holds in place of a query the input guard refused.
 WITHHELD_QUERY = "[this message was withheld by a moderation rule]"
 
@@ -47,10 +60,12 @@ class GuardDecision:
     kind: GuardKind
     rule: str
     reply: str
+    #: The pattern ran out of `PATTERN_BUDGET_S`: refused without knowing whether it matched.
+    timed_out: bool = False
 
     def record(self) -> dict[str, Any]:
         """The decision record stored with the turn (the reply is its answer already)."""
-        return {"guard": {"kind": self.kind, "rule": self.rule}}
+        return {"guard": {"kind": self.kind, "rule": self.rule, **({"timed_out": True} if self.timed_out else {})}}
 
 
 # --- compiled rules ---------------------------------------------------------------------------------
@@ -64,7 +79,7 @@ class CompiledRules:
     keywords: re.Pattern[str] | None
     #: The longest keyword: a match ending in unseen text starts at most this far back.
     longest: int
-    patterns: tuple[re.Pattern[str], ...]
+    patterns: tuple[regex.Pattern[str], ...]
 
     def keyword_rule(self, matched: str) -> str:
         for i, keyword in enumerate(self.rules.keywords):
@@ -72,10 +87,16 @@ class CompiledRules:
                 return f"{self.where}.keywords[{i}]"
         return f"{self.where}.keywords"  # unreachable: the alternation is made of these keywords
 
-    def sentence_rule(self, sentence: str) -> str | None:
+    def sentence_rule(self, sentence: str, deadline: float, clock: Clock) -> tuple[str, bool] | None:
+        """The first pattern found in `sentence` and whether it timed out (searched until `clock`
+        reaches `deadline`), or None."""
         for i, pattern in enumerate(self.patterns):
-            if pattern.search(sentence) is not None:
-                return f"{self.where}.patterns[{i}]"
+            try:
+                found = pattern.search(sentence, timeout=max(0.0, deadline - clock()))
+            except TimeoutError:
+                return f"{self.where}.patterns[{i}]", True
+            if found is not None:
+                return f"{self.where}.patterns[{i}]", False
         return None
 
 
@@ -87,7 +108,7 @@ def compile_rules(rules: GuardRules, where: str) -> CompiledRules:
         rules=rules,
         keywords=_keyword_regex(rules.keywords, whole_words=rules.match == "word") if rules.keywords else None,
         longest=max((len(k) for k in rules.keywords), default=0),
-        patterns=tuple(re.compile(p, re.IGNORECASE) for p in rules.patterns),
+        patterns=tuple(compile_pattern(p) for p in rules.patterns),
     )
 
 
@@ -116,13 +137,15 @@ class StreamGuard:
     character); with patterns, nothing past the last finished sentence. After a hit it releases
     nothing more, and `hit` says which rule."""
 
-    def __init__(self, rules: CompiledRules) -> None:
+    def __init__(self, rules: CompiledRules, clock: Clock) -> None:
         self._rules = rules
+        self._clock = clock
         self._text = ""  # the text from absolute position `_base` on
         self._base = 0
         self._released = 0  # absolute: text before this was released
         self._scan = 0  # absolute: no keyword match starts before this
         self._checked = 0  # absolute: the sentences before this passed the patterns
+        self._deadline: float | None = None  # the pattern budget's end, set by the first search
         self.hit: GuardDecision | None = None
 
     def feed(self, text: str) -> str:
@@ -148,21 +171,22 @@ class StreamGuard:
             self._scan = self._base + found.start() if found else max(self._released, end - rules.longest)
             safe = self._scan
         if rules.patterns:
-            if (rule := self._check_sentences(final=final)) is not None:
-                return self._stop(rule)
+            if (broken := self._check_sentences(final=final)) is not None:
+                return self._stop(*broken)
             safe = min(safe, self._checked)
         return self._release(end if final else max(safe, self._released))
 
-    def _check_sentences(self, *, final: bool) -> str | None:
+    def _check_sentences(self, *, final: bool) -> tuple[str, bool] | None:
         start = self._checked - self._base
-        for boundary in SENTENCE_END.finditer(self._text, start):
-            if (rule := self._rules.sentence_rule(self._text[start : boundary.end()])) is not None:
-                return rule
-            start = boundary.end()
-        if final and start < len(self._text):
-            if (rule := self._rules.sentence_rule(self._text[start:])) is not None:
-                return rule
-            start = len(self._text)
+        sentences = [(start, b.end()) for b in SENTENCE_END.finditer(self._text, start)]
+        if final and (sentences[-1][1] if sentences else start) < len(self._text):
+            sentences.append((sentences[-1][1] if sentences else start, len(self._text)))
+        for begin, end in sentences:
+            if self._deadline is None:
+                self._deadline = self._clock() + PATTERN_BUDGET_S
+            if (found := self._rules.sentence_rule(self._text[begin:end], self._deadline, self._clock)) is not None:
+                return found
+            start = end
         self._checked = self._base + start
         return None
 
@@ -175,25 +199,26 @@ class StreamGuard:
         self._base = keep
         return out
 
-    def _stop(self, rule: str) -> str:
-        self.hit = GuardDecision("moderation", rule, self._rules.rules.reply)
+    def _stop(self, rule: str, timed_out: bool = False) -> str:
+        self.hit = GuardDecision("moderation", rule, self._rules.rules.reply, timed_out)
         self._text = ""
         return ""
 
 
-def check_text(rules: GuardRules, text: str, *, where: Literal["input", "output"]) -> GuardDecision | None:
+def check_text(rules: GuardRules, text: str, *, where: Literal["input", "output"],
+               clock: Clock) -> GuardDecision | None:
     """The moderation rule `text` breaks, or None (exactly what a stream of it would find)."""
     if not rules.active or not text:
         return None
-    guard = StreamGuard(compile_rules(rules, where))
+    guard = StreamGuard(compile_rules(rules, where), clock)
     guard.feed(text)
     guard.finish()
     return guard.hit
 
 
-def stream_guard(guards: GuardsSpec) -> StreamGuard | None:
+def stream_guard(guards: GuardsSpec, clock: Clock) -> StreamGuard | None:
     """The hold-back for an agent's streamed answers, or None when it has no output rules."""
-    return StreamGuard(compile_rules(guards.output, "output")) if guards.output.active else None
+    return StreamGuard(compile_rules(guards.output, "output"), clock) if guards.output.active else None
 
 
 # --- input ------------------------------------------------------------------------------------------
@@ -235,11 +260,12 @@ def match_annotation(guards: GuardsSpec, query: str) -> GuardDecision | None:
     return GuardDecision("annotation", f"annotations[{i}]", guards.annotations[i].answer)
 
 
-def check_input(guards: GuardsSpec, query: str, inputs: Mapping[str, object]) -> GuardDecision | None:
+def check_input(guards: GuardsSpec, query: str, inputs: Mapping[str, object], *,
+                clock: Clock) -> GuardDecision | None:
     """The input guards' verdict on a turn: moderation of the query and of the prompt variables
     (they reach the model in the instructions), then annotation replies; None: ask the model."""
     for text in [query, *(v for v in inputs.values() if isinstance(v, str))]:
-        if (hit := check_text(guards.input, text, where="input")) is not None:
+        if (hit := check_text(guards.input, text, where="input", clock=clock)) is not None:
             return hit
     return match_annotation(guards, query)
 

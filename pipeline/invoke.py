@@ -78,7 +78,7 @@ class InvokeOutcome(BaseModel):
     #: Text parts stored truncated (answers, tool results over the size limit).
     truncated_parts: int = 0
     #: Why a guard gave the answer (`pipeline.guards`): {"kind", "rule"}; None: the model's own.
-    guard: dict[str, str] | None = None
+    guard: dict[str, str | bool] | None = None
     #: The model that answered last (`ModelResponse.model_name`), and the models a fallback chain moved
     #: on from during the run (pydantic-ai's `failed_attempts`), in order.
     model: str | None = None
@@ -187,7 +187,7 @@ async def run_turn(
             output, failure = None, e
     new = [m for m in captured if m.run_id == run_id]
     outcome = _outcome(output, failure, new, list(stream.tools.values()), max_chars=max_chars, secrets=secrets)
-    return guard_output(outcome, new, turn, max_chars=max_chars)
+    return guard_output(outcome, new, turn, max_chars=max_chars, clock=clock)
 
 
 def answer_without_model(turn: ResolvedTurn) -> InvokeOutcome:
@@ -199,13 +199,14 @@ def answer_without_model(turn: ResolvedTurn) -> InvokeOutcome:
 
 
 def guard_output(outcome: InvokeOutcome, new: list[ModelMessage], turn: ResolvedTurn, *,
-                 max_chars: int) -> InvokeOutcome:
+                 max_chars: int, clock: Callable[[], float]) -> InvokeOutcome:
     """The outcome with the output guard's reply in place of an answer that breaks its rules: in the
     answer and in the stored messages. The check sees all the text the run said, as its stream did."""
     rules = turn.config.guards.output
     if not rules.active:
         return outcome
-    hit = check_text(rules, spoken_text(new), where="output") or check_text(rules, outcome.answer, where="output")
+    hit = (check_text(rules, spoken_text(new), where="output", clock=clock)
+           or check_text(rules, outcome.answer, where="output", clock=clock))
     if hit is None:
         return outcome
     snapshot = prepare_snapshot(scrub_responses(new, hit.reply), paused=outcome.status == "paused")

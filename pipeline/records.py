@@ -56,8 +56,9 @@ class MessageRecord(_Record):
     tools: list[ToolActivity] = Field(default_factory=list)
     created_at: float = 0.0
     updated_at: float = 0.0
-    #: Why a guard answered instead of the model, or replaced its answer: {"kind", "rule"}.
-    guard: dict[str, str] | None = None
+    #: Why a guard answered instead of the model, or replaced its answer: {"kind", "rule"} (and
+    #: "timed_out": true when a pattern ran out of its time budget).
+    guard: dict[str, str | bool] | None = None
 
 
 class ResolvedTurn(_Record):

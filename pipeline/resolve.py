@@ -9,7 +9,7 @@ from .budget import answering_limits
 from .config import AgentConfig, expand_variables, whitelisted_settings
 from .contracts import TurnRequest
 from .errors import Forbidden, InvalidRequest, SessionConfigurationChanged
-from .guards import GuardDecision, check_input
+from .guards import Clock, GuardDecision, check_input
 from .records import ConversationRecord, ResolvedTurn
 
 
@@ -65,6 +65,7 @@ def resolve_turn(
     config_ref: str,
     new_conversation_id: str,
     now: float,
+    clock: Clock,
     parent_known: bool = True,
 ) -> tuple[ResolvedTurn, ResolveDecision]:
     """Pin everything the turn needs; raise a `ThreadlineError` with a stable code when it can't run.
@@ -83,7 +84,7 @@ def resolve_turn(
         settings["max_tokens"] = answering_limits(config.model).max_output
     pinned = config.model_copy(update={"settings": settings})
     # a resume carries the human's answers to the model's own question, not a new query: not guarded
-    guard = check_input(config.guards, request.query, request.inputs) if deferred is None else None
+    guard = check_input(config.guards, request.query, request.inputs, clock=clock) if deferred is None else None
     resolved = ResolvedTurn(
         turn_id=request.turn_id,
         conversation_id=conversation.id if conversation else new_conversation_id,

@@ -210,6 +210,14 @@ async def _cancel_observed(rt: Runtime, turn_id: str, token: CancellationToken) 
         metrics.cancel_closed((await rt.store.turn_state(turn_id)).cancel_requested_at, now=now)
 
 
+def _warn_if_timed_out(guard: Mapping[str, object] | None) -> None:
+    """A guard pattern that ran out of its time budget refused a text without knowing: the operator
+    should fix the pattern (it backtracks catastrophically on some texts)."""
+    if guard and guard.get("timed_out"):
+        log.warning("guard_pattern_timed_out", rule=guard.get("rule"),
+                    hint="the text was refused unread: rewrite this pattern so that it cannot backtrack")
+
+
 async def _answer_without_model(rt: Runtime, stage: Stage, s: Started) -> None:
     """A turn the input guards answered: no model is built or called; the reply goes out as one text
     delta, with the stage's end, and the turn ends like any other."""
@@ -229,7 +237,8 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
         return
     deadline_at = s.begin.deadline_at or rt.now() + turn.deadline_s
     translator = RunEvents(turn_id, attempt, TextDebouncer(window_s=rt.settings.debounce_ms / 1000),
-                           tool_payload_chars=rt.settings.max_text_chars, guard=stream_guard(turn.config.guards))
+                           tool_payload_chars=rt.settings.max_text_chars,
+                           guard=stream_guard(turn.config.guards, time.monotonic))
     spec = turn.config.model
     async with (_claim_heartbeat(rt, turn_id),
                 turn_limiter(rt.store, turn.config.id, limit=spec.max_concurrency, turn_id=turn_id) as limiter,
@@ -282,6 +291,7 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
                     code=outcome.code, tools=outcome.tools)
     if outcome.guard:
         row = row.model_copy(update={"guard": outcome.guard})
+        _warn_if_timed_out(outcome.guard)
     terminal = events.terminal(
         env.turn_id, s.begin.attempt, outcome.status, answer=outcome.answer, usage=outcome.usage,
         code=outcome.code, message=outcome.message, pending_tool_calls=outcome.pending_tool_calls,
@@ -512,7 +522,8 @@ async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool)
     parent_known = parent in (None, "root") or (
         conversation is not None and await rt.store.has_message(conversation.id, str(parent)))
     resolved, decision = resolve_turn(req, conversation=conversation, config=config, config_ref=ref,
-                                      new_conversation_id=cid, now=rt.now(), parent_known=parent_known)
+                                      new_conversation_id=cid, now=rt.now(), clock=time.monotonic,
+                                      parent_known=parent_known)
     log.info("resolved", config_ref=decision.config_ref, new_conversation=decision.new_conversation,
              missing_variables=decision.missing_variables)
     return resolved

@@ -34,6 +34,7 @@ from threadline.pipeline.config import AgentConfig, GuardRules, GuardsSpec, pars
 from threadline.pipeline.contracts import parse_turn_request
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.guards import (
+    PATTERN_BUDGET_S,
     SENTENCE_END,
     WITHHELD_QUERY,
     GuardDecision,
@@ -59,7 +60,7 @@ def rules(**fields: Any) -> GuardRules:
 
 
 def hit(rule_set: GuardRules, text: str) -> str | None:
-    found = check_text(rule_set, text, where="output")
+    found = check_text(rule_set, text, where="output", clock=time.monotonic)
     return found.rule if found else None
 
 
@@ -112,9 +113,10 @@ def test_the_input_guard_checks_query_and_prompt_variables_moderation_first() ->
         "input": {"keywords": ["hours"], "reply": "Not that."},
         "annotations": [{"question": "hours", "answer": "9 to 5."}],
     })
-    assert check_input(guards, "Hours?", {}) == GuardDecision("moderation", "input.keywords[0]", "Not that.")
-    assert check_input(guards, "hello", {"name": "about hours", "n": 3}) is not None
-    assert check_input(guards, "hello", {"name": "Ada"}) is None
+    refused = GuardDecision("moderation", "input.keywords[0]", "Not that.")
+    assert check_input(guards, "Hours?", {}, clock=time.monotonic) == refused
+    assert check_input(guards, "hello", {"name": "about hours", "n": 3}, clock=time.monotonic) is not None
+    assert check_input(guards, "hello", {"name": "Ada"}, clock=time.monotonic) is None
 
 
 # --- validation -------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def first_match_start(rule_set: GuardRules, text: str) -> int | None:
     start = 0
     for boundary in [*SENTENCE_END.finditer(text), None]:
         end = boundary.end() if boundary else len(text)
-        if compiled.sentence_rule(text[start:end]) is not None:
+        if compiled.sentence_rule(text[start:end], time.monotonic() + 60, time.monotonic) is not None:
             starts.append(start)
             break
         start = end
@@ -178,7 +180,7 @@ def first_match_start(rule_set: GuardRules, text: str) -> int | None:
 
 
 def stream(rule_set: GuardRules, chunks: list[str]) -> tuple[list[str], StreamGuard]:
-    guard = StreamGuard(compile_rules(rule_set, "output"))
+    guard = StreamGuard(compile_rules(rule_set, "output"), time.monotonic)
     released = [guard.feed(c) for c in chunks]
     return [*released, guard.finish()], guard
 
@@ -200,7 +202,7 @@ def test_no_released_text_is_part_of_a_match_whatever_the_chunks(
     text = "".join(pieces)
     released, guard = stream(rule_set, split(text, cuts))
     emitted = "".join(released)
-    whole = check_text(rule_set, text, where="output")
+    whole = check_text(rule_set, text, where="output", clock=time.monotonic)
     assert text.startswith(emitted)
     assert (guard.hit is None) == (whole is None)  # a stream is refused exactly when the whole text is
     start = first_match_start(rule_set, text)
@@ -208,7 +210,7 @@ def test_no_released_text_is_part_of_a_match_whatever_the_chunks(
         assert emitted == text
     else:
         assert len(emitted) <= start
-        assert check_text(rule_set, emitted, where="output") is None or rule_set.match == "word"
+        assert check_text(rule_set, emitted, where="output", clock=time.monotonic) is None or rule_set.match == "word"
     if rule_set.match == "substring":
         assert not any(k in emitted.lower() for k in rule_set.keywords)
 
@@ -224,7 +226,8 @@ def test_text_is_held_back_only_as_far_as_a_match_could_reach() -> None:
 
 def test_run_events_stream_no_forbidden_text_and_stop_at_a_hit() -> None:
     guards = GuardsSpec.model_validate({"output": {"keywords": ["password"], "reply": "Withheld."}})
-    run = RunEvents("t1", 1, TextDebouncer(window_s=0.0), tool_payload_chars=1000, guard=stream_guard(guards))
+    run = RunEvents("t1", 1, TextDebouncer(window_s=0.0), tool_payload_chars=1000,
+                    guard=stream_guard(guards, time.monotonic))
     sent = run.observe(PartStartEvent(index=0, part=TextPart("Your pass")), now=0.0)
     for i, chunk in enumerate(["word is", " hunter2", " and more"]):
         sent += run.observe(PartDeltaEvent(index=0, delta=TextPartDelta(chunk)), now=0.01 * i)
@@ -253,7 +256,7 @@ def resolve(query: str, **fields: Any) -> ResolvedTurn:
                                           pending_tool_calls=[{"tool_call_id": "call1", "name": "ask_human",
                                                                "args": {}}])
     resolved, decision = resolve_turn(request, conversation=conversation, config=CONFIG, config_ref="v1",
-                                      new_conversation_id="c1", now=1_700_000_000.0)
+                                      new_conversation_id="c1", now=1_700_000_000.0, clock=time.monotonic)
     assert decision.guard == resolved.guard
     return resolved
 
@@ -294,7 +297,7 @@ def test_the_output_guard_replaces_the_answer_in_events_outcome_and_snapshot() -
 
         turn = resolve("what is it?")
         translator = RunEvents("t1", 1, TextDebouncer(window_s=0.0), tool_payload_chars=10_000,
-                               guard=stream_guard(turn.config.guards))
+                               guard=stream_guard(turn.config.guards, time.monotonic))
         async with TurnStream(translator, emit, time.monotonic) as stream_:
             outcome = await run_turn(turn, [], agent=build_agent(FunctionModel(stream_function=speak)), attempt=1,
                                      stream=stream_, token=CancellationToken(), clock=lambda: 0.0, timeout_s=10,
@@ -310,3 +313,36 @@ def test_the_output_guard_replaces_the_answer_in_events_outcome_and_snapshot() -
         assert not any(forbidden in e.model_dump_json() for e in sent)
         assert outcome.snapshot is not None and forbidden not in outcome.snapshot
     assert "[answer withheld]" in outcome.snapshot and re.search("what is it", outcome.snapshot)
+
+
+# --- patterns that backtrack catastrophically ------------------------------------------------------
+
+
+def test_a_catastrophic_pattern_is_cut_off_and_fails_closed() -> None:
+    # on Python's `re` this search would not end in the lifetime of the worker
+    rules = GuardRules.model_validate({"patterns": [r"(a+)+$"], "reply": "Refused."})
+    started = time.monotonic()
+    hit = check_text(rules, "a" * 5000 + "!", where="input", clock=time.monotonic)
+    assert time.monotonic() - started < PATTERN_BUDGET_S + 1.0
+    assert hit == GuardDecision("moderation", "input.patterns[0]", "Refused.", timed_out=True)
+    assert hit.record() == {"guard": {"kind": "moderation", "rule": "input.patterns[0]", "timed_out": True}}
+
+
+def test_every_search_of_a_text_shares_one_time_budget() -> None:
+    # each sentence alone ends in time (~20 ms); sixty of them would take over a second
+    rules = GuardRules.model_validate({"patterns": [r"(a|aa)+$"]})
+    text = " ".join(["a" * 22 + "!"] * 60)
+    started = time.monotonic()
+    hit = check_text(rules, text, where="output", clock=time.monotonic)
+    assert time.monotonic() - started < PATTERN_BUDGET_S + 1.0
+    assert hit is not None and hit.timed_out
+
+
+def test_sane_patterns_on_a_long_text_stay_well_within_the_budget() -> None:
+    rules = GuardRules.model_validate({"patterns": [r"\bcredit\s+card\s+number\b", r"\d{4}-\d{4}-\d{4}-\d{4}"]})
+    text = "The order shipped today and the invoice is attached. " * 1500  # ~80,000 characters
+    started = time.monotonic()
+    assert check_text(rules, text, where="output", clock=time.monotonic) is None
+    assert time.monotonic() - started < PATTERN_BUDGET_S
+    found = check_text(rules, text + "My credit  card number is here.", where="output", clock=time.monotonic)
+    assert found is not None and not found.timed_out and found.rule == "output.patterns[0]"

@@ -152,3 +152,26 @@ def test_an_ask_human_resume_is_not_guarded(workers: WorkerPool, client: Client,
     # the same words in a new query are refused
     refused = finish(client, turn(agent, "Blue, then.", conversation_id=paused.conversation_id))
     assert isinstance(refused, ev.Succeeded) and refused.answer == REFUSAL, refused
+
+
+def test_a_catastrophic_pattern_refuses_in_a_quarter_second_and_the_worker_carries_on(
+    workers: WorkerPool, client: Client, make_agent: AgentFactory
+) -> None:
+    # `(a+)+$` on 1,500 `a`s and a `!`: Python's `re` would search for longer than the universe lasts,
+    # holding the worker's event loop, its heartbeat and every other turn of the process
+    agent = make_agent("offline:echo", guards={"input": {"patterns": [r"(a+)+$"], "reply": REFUSAL},
+                                               "output": {"patterns": [r"(b+)+$"], "reply": "[withheld]"}})
+    refused = finish(client, turn(agent, "a" * 1500 + "!"))
+    assert isinstance(refused, ev.Succeeded) and refused.answer == REFUSAL, refused
+    guard = {"kind": "moderation", "rule": "input.patterns[0]", "timed_out": True}
+    assert client.decisions(refused.turn_id)["resolve"] == {"guard": guard}
+    assert refused.conversation_id is not None
+    (row,) = client.thread(refused.conversation_id)
+    assert row.guard == guard
+    # offline:echo quotes the query: its answer is the long run of `b`s the output pattern chokes on
+    withheld = finish(client, turn(agent, "b" * 1500 + "!"))
+    assert isinstance(withheld, ev.Succeeded) and withheld.answer == "[withheld]", withheld
+    assert client.decisions(withheld.turn_id)["invoke"]["guard"]["timed_out"] is True
+    fine = finish(client, turn(agent, "hello there"))
+    assert isinstance(fine, ev.Succeeded) and fine.answer != REFUSAL, fine
+    assert workers.alive()
