@@ -53,13 +53,21 @@ class ModelPolicy:
 
 def check_model_policy(spec: ModelSpec, *, key_env_allow: Collection[str], base_url_allow: Collection[str]) -> None:
     """Refuse (`InvalidRequest`) a model, or any model of its fallback chain, that names a key variable
-    outside `key_env_allow`, or that would send a provider's conventional key to a `base_url` no prefix
-    in `base_url_allow` allows. Keyless configs may point anywhere: they send no key."""
+    outside `key_env_allow` (or, naming none, whose provider's key variables are all outside it: it
+    could never have a key), or that would send a provider's conventional key to a `base_url` no
+    prefix in `base_url_allow` allows. Keyless configs may point anywhere: they send no key."""
     for model in spec.chain():
         if model.api_key_env is not None and model.api_key_env not in key_env_allow:
             raise InvalidRequest(
                 f"model {model.provider}:{model.name}: api_key_env {model.api_key_env!r} is not a variable "
                 "configs may name on these workers; add it to TL_KEY_ENV_ALLOW to allow it"
+            )
+        names = key_variables(model)
+        if names and not any(name in key_env_allow for name in names):
+            raise InvalidRequest(
+                f"model {model.provider}:{model.name}: its key is read from {' / '.join(names)}, and "
+                "TL_KEY_ENV_ALLOW on these workers allows none of them; add one to it, or name an allowed "
+                "variable in api_key_env"
             )
         if model.base_url is not None and sends_conventional_key(model) and not url_allowed(
             model.base_url, base_url_allow

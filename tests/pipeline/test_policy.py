@@ -42,6 +42,16 @@ def test_a_config_may_name_only_the_allowed_key_variables() -> None:
                                      ModelPolicy())
 
 
+def test_a_provider_whose_key_variables_are_all_outside_the_allow_list_is_refused_saying_so() -> None:
+    narrow = ModelPolicy(key_env_allow=frozenset({"QWEN_API_KEY", "AWS_ACCESS_KEY_ID"}))
+    message = refusal(spec(provider="anthropic"), narrow)
+    assert "ANTHROPIC_API_KEY" in message and "TL_KEY_ENV_ALLOW" in message and "allows none" in message
+    assert "GOOGLE_API_KEY / GEMINI_API_KEY" in refusal(spec(provider="google"), narrow)
+    narrow.check(spec(provider="bedrock"))  # one of its variables is allowed
+    narrow.check(spec(provider="anthropic", api_key_env="QWEN_API_KEY"))  # its own, allowed variable
+    narrow.check(spec(provider="vllm", base_url="http://x/v1"))  # keyless
+
+
 @pytest.mark.parametrize("provider", ["openai", "anthropic", "google", "bedrock", "groq", "mistral"])
 def test_a_providers_own_key_goes_only_to_an_allowed_base_url(provider: str) -> None:
     message = refusal(spec(provider=provider, base_url="https://evil.example.com/v1"))
