@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,10 @@ class DoorbellBroker(RedisBroker):
         self.closing = False
         self.reachability = Reachability(url)
         self._closed = threading.Event()
+        #: Per queue, the redis ids of the messages this process's consumers handed to dramatiq and
+        #: that are not acked, nacked or requeued yet (`DoorbellConsumer`: what is NOT an orphan).
+        self.held: dict[str, set[str]] = {}
+        self.held_lock = threading.Lock()
 
     @property
     def listener(self) -> Listener:
@@ -307,10 +311,13 @@ class DoorbellConsumer(_RedisConsumer):
             broker.keys.dead_letters(),
         ]
         self._dead_letter_script = broker.client.register_script(lua.source("dead_letter"))
+        #: Look for orphans before the first fetch (`_requeue_orphans`).
+        self._sweep = True
 
     def ack(self, message: dramatiq.MessageProxy) -> None:
         try:
             super().ack(message)  # type: ignore[no-untyped-call]
+            self._release(message)  # not when the ack failed: dramatiq tries it again, and it is still held
         finally:
             self.ring.set()  # capacity freed: fetch again now
 
@@ -319,17 +326,57 @@ class DoorbellConsumer(_RedisConsumer):
         and one that failed for good (retries exhausted): either way, record why."""
         try:
             super().nack(message)  # type: ignore[no-untyped-call]
+            self._release(message)
             self._record_nack(message)
         finally:
             self.ring.set()
 
+    def requeue(self, messages: Iterable[dramatiq.MessageProxy]) -> None:
+        listed = list(messages)
+        super().requeue(listed)  # type: ignore[no-untyped-call]
+        for message in listed:
+            self._release(message)
+
+    def _hold(self, message: dramatiq.MessageProxy) -> None:
+        with self.broker.held_lock:
+            self.broker.held.setdefault(self.queue_name, set()).add(message.options["redis_message_id"])
+
+    def _release(self, message: dramatiq.MessageProxy) -> None:
+        with self.broker.held_lock:
+            self.broker.held.get(self.queue_name, set()).discard(message.options["redis_message_id"])
+
+    def _requeue_orphans(self) -> None:
+        """Put back the messages this process's ack set holds that no part of the process has: the
+        ones a consumer had fetched when it lost its connection (dramatiq drops a consumer's fetched,
+        not yet handed out messages with it) and the ones of a fetch whose reply was lost. dramatiq
+        gives them back only when the process is gone; without this, their turns would wait for the
+        watchdog's stall time (a delay queue's: every message its last consumer handed out, see
+        below). Runs before a new consumer's first fetch, on the consumer thread."""
+        acks = self._dead_letter_keys[0]
+        with self.broker.held_lock:
+            if self.delayed:
+                # a delay queue's messages wait in its consumer thread until their eta, and dramatiq
+                # drops that wait list with a consumer that lost its connection: none is held now
+                self.broker.held.pop(self.queue_name, None)
+            held = set(self.broker.held.get(self.queue_name, ()))
+        members = self.broker.client.smembers(acks)
+        orphans = [m for m in (v.decode() if isinstance(v, bytes) else str(v) for v in members) if m not in held]
+        if orphans:
+            self.broker.do_requeue(self.queue_name, *orphans)
+            self.broker.ring(self.queue_name)  # the other processes' consumers may take them too
+            log.warning("orphaned_messages_requeued", queue=self.queue_name, messages=len(orphans))
+
     def __next__(self) -> dramatiq.MessageProxy | None:
         try:
+            if self._sweep:
+                self._requeue_orphans()
+                self._sweep = False
             while True:
                 if self.message_cache:
                     proxy = self.message_cache.pop(0)
                     self.misses = 0
                     self.queued_message_ids.add(proxy.message_id)
+                    self._hold(proxy)
                     return proxy
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()

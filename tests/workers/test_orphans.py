@@ -1,0 +1,106 @@
+"""A consumer that lost its connection leaves messages in its process's ack set that nothing in the
+process holds any more: the ones it had fetched but not handed out (dramatiq drops them with the
+consumer), and the ones of a fetch whose reply never arrived. dramatiq gives those back only when
+the process is gone, so their turns would wait for the watchdog's stall time; the next consumer of
+the queue puts them back before its first fetch, and leaves alone what the process still holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from dramatiq.errors import ConnectionClosed
+from dramatiq.message import Message
+
+from tests.conftest import drop_prefix
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.broker import DoorbellBroker, DoorbellConsumer
+from threadline.workers.settings import Settings
+from threadline.workers.worker import create_broker
+
+pytestmark = pytest.mark.integration
+
+QUEUE = DEFAULT_GRAPH.stages[1].queue
+
+
+@pytest.fixture
+def broker(redis_url: str) -> Iterator[DoorbellBroker]:
+    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlo{uuid.uuid4().hex[:8]}", redis_url=redis_url)
+    made = create_broker(settings, redis_url)
+    yield made
+    made.before_shutdown()
+    made.close()
+    r = redis.Redis.from_url(redis_url)
+    drop_prefix(r, settings.prefix)
+    r.close()
+
+
+def enqueue(broker: DoorbellBroker, n: int) -> list[str]:
+    actor = next(name for name, a in broker.actors.items() if a.queue_name == QUEUE)
+    return [broker.enqueue(Message(queue_name=QUEUE, actor_name=actor, args=({"turn_id": f"t{i}"},), kwargs={},
+                                   options={})).options["redis_message_id"] for i in range(n)]
+
+
+def acks(broker: DoorbellBroker) -> set[str]:
+    key = f"{broker.namespace}:__acks__.{broker.broker_id}.{QUEUE}"
+    return {m.decode() for m in broker.client.smembers(key)}
+
+
+def queued(broker: DoorbellBroker) -> list[str]:
+    return [m.decode() for m in broker.client.lrange(f"{broker.namespace}:{QUEUE}", 0, -1)]
+
+
+def test_a_new_consumer_puts_back_what_the_lost_one_had_fetched_and_keeps_what_is_held(
+        broker: DoorbellBroker) -> None:
+    ids = enqueue(broker, 3)
+    lost = broker.consume(QUEUE, prefetch=3, timeout=50)
+    assert isinstance(lost, DoorbellConsumer)
+    handed_out = next(lost)
+    assert handed_out is not None and handed_out.options["redis_message_id"] == ids[0]
+    # the other two were fetched with it: in the ack set, in the consumer's cache
+    assert acks(broker) == set(ids) and queued(broker) == []
+
+    # the connection drops: dramatiq throws `lost` away with its cache and makes a new consumer
+    fresh = broker.consume(QUEUE, prefetch=3, timeout=50)
+    got = [next(fresh), next(fresh)]
+    assert sorted(m.options["redis_message_id"] for m in got if m is not None) == sorted(ids[1:])
+    assert acks(broker) == set(ids)  # fetched again, now held
+    # the one still being processed was left alone, and its ack still works
+    fresh.ack(handed_out)
+    for message in got:
+        assert message is not None
+        fresh.ack(message)
+    assert acks(broker) == set() and queued(broker) == []
+
+
+def test_a_fetch_whose_reply_was_lost_is_put_back(broker: DoorbellBroker) -> None:
+    (orphan,) = enqueue(broker, 1)
+    # the fetch script ran (the id moved to the ack set) but its reply never reached the consumer
+    broker.client.lpop(f"{broker.namespace}:{QUEUE}")
+    broker.client.sadd(f"{broker.namespace}:__acks__.{broker.broker_id}.{QUEUE}", orphan)
+
+    message = next(broker.consume(QUEUE, prefetch=1, timeout=50))
+    assert message is not None and message.options["redis_message_id"] == orphan
+
+
+def test_a_message_whose_ack_failed_stays_held(broker: DoorbellBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    (only,) = enqueue(broker, 1)
+    first = broker.consume(QUEUE, prefetch=1, timeout=50)
+    message = next(first)
+    assert message is not None
+
+    def unreachable(*args: object) -> None:
+        raise redis.ConnectionError("Connection refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(broker, "do_ack", unreachable, raising=False)  # the server is gone for this ack
+        with pytest.raises(ConnectionClosed):
+            first.ack(message)
+    # dramatiq retries the ack on whichever consumer is current: a new one must not have requeued it
+    fresh = broker.consume(QUEUE, prefetch=1, timeout=50)
+    assert next(fresh) is None and queued(broker) == [] and acks(broker) == {only}
+    fresh.ack(message)
+    assert acks(broker) == set()
