@@ -12,9 +12,10 @@ decision record travels on events and rows, where a forbidden word must not appe
 Patterns run on the `regex` engine, with a time budget: a pattern that backtracks catastrophically
 (`(a+)+$` on a long run of `a`s takes `re` longer than the universe has) would otherwise hold the
 worker's event loop, and with it every turn of the process and its heartbeat, for as long as the
-text is long. All the pattern searches of one text share `PATTERN_BUDGET_S`, measured with the
-clock the shell passes in; a search that runs out of it fails closed: the text is refused by that
-pattern, and the decision says it timed out.
+text is long. All the pattern searches of one text share `PATTERN_BUDGET_S` of search time
+(measured with the clock the shell passes in; the time a stream waits between chunks does not
+count); a search that runs out of it fails closed: the text is refused by that pattern, and the
+decision says it timed out.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class StreamGuard:
         self._released = 0  # absolute: text before this was released
         self._scan = 0  # absolute: no keyword match starts before this
         self._checked = 0  # absolute: the sentences before this passed the patterns
-        self._deadline: float | None = None  # the pattern budget's end, set by the first search
+        self._budget_left = PATTERN_BUDGET_S  # search time left for the patterns (not time between chunks)
         self.hit: GuardDecision | None = None
 
     def feed(self, text: str) -> str:
@@ -182,9 +183,10 @@ class StreamGuard:
         if final and (sentences[-1][1] if sentences else start) < len(self._text):
             sentences.append((sentences[-1][1] if sentences else start, len(self._text)))
         for begin, end in sentences:
-            if self._deadline is None:
-                self._deadline = self._clock() + PATTERN_BUDGET_S
-            if (found := self._rules.sentence_rule(self._text[begin:end], self._deadline, self._clock)) is not None:
+            searching = self._clock()
+            found = self._rules.sentence_rule(self._text[begin:end], searching + self._budget_left, self._clock)
+            self._budget_left -= self._clock() - searching
+            if found is not None:
                 return found
             start = end
         self._checked = self._base + start

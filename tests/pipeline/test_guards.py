@@ -346,3 +346,14 @@ def test_sane_patterns_on_a_long_text_stay_well_within_the_budget() -> None:
     assert time.monotonic() - started < PATTERN_BUDGET_S
     found = check_text(rules, text + "My credit  card number is here.", where="output", clock=time.monotonic)
     assert found is not None and not found.timed_out and found.rule == "output.patterns[0]"
+
+
+def test_the_budget_counts_search_time_not_the_time_a_stream_takes() -> None:
+    now = [0.0]
+    guard = StreamGuard(compile_rules(rules(patterns=[r"secret\s+code"]), "output"), lambda: now[0])
+    released = []
+    for sentence in ["The weather is fine. ", "A long answer streams for minutes. ", "Nothing to hide here. "]:
+        released.append(guard.feed(sentence))
+        now[0] += 60.0  # a minute between chunks: no search ran meanwhile
+    released.append(guard.finish())
+    assert guard.hit is None and "".join(released).endswith("Nothing to hide here. ")
