@@ -13,6 +13,9 @@ ErrorCode = Literal[
     "agent_session_configuration_changed",
     "snapshot_corrupt",
     "model_rate_limited",
+    # The account's quota, credits or spend limit is exhausted (HTTP 402, OpenAI's `insufficient_quota`
+    # 429): waiting will not help, so it is not retried; a fallback model (another account) is tried.
+    "model_quota_exceeded",
     "model_unavailable",
     "model_bad_request",
     "model_error",

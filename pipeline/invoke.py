@@ -31,6 +31,7 @@ from pydantic_ai.exceptions import (
     ModelAPIError,
     ModelConnectionError,
     ModelContextWindowExceededError,
+    ModelQuotaExceededError,
     ModelRateLimitError,
     ModelRequestRejectedError,
     ModelServerError,
@@ -322,6 +323,13 @@ def is_transient(error: BaseException) -> bool:
     return model_error_code(deciding_error(error))[1]
 
 
+def falls_back(error: BaseException) -> bool:
+    """Whether a fallback chain moves on to its next model: where Threadline would try again, and on
+    an exhausted quota (the next model is usually another account)."""
+    code, transient = model_error_code(deciding_error(error))
+    return transient or code == "model_quota_exceeded"
+
+
 def retry_delay_s(outcome: InvokeOutcome, *, attempt: int, max_attempts: int) -> float | None:
     """Seconds before the next attempt of a transiently failed run (bounded exponential backoff,
     or what the provider asked for), or None: the outcome is final."""
@@ -336,6 +344,8 @@ def model_error_code(error: BaseException) -> tuple[ErrorCode, bool]:
     """A stable code for a model failure, and whether trying again may help."""
     if isinstance(error, ThreadlineError):
         return error.code, error.transient
+    if isinstance(error, ModelQuotaExceededError):  # a 429 too, at OpenAI: before the rate limits
+        return "model_quota_exceeded", False
     if isinstance(error, ModelRateLimitError):
         return "model_rate_limited", True
     if isinstance(error, ModelUnavailableError | ModelServerError | ModelConnectionError):

@@ -19,7 +19,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from threadline.pipeline.config import ModelSpec, Provider
 from threadline.pipeline.errors import InvalidRequest, ModelKeyMissing, ProviderNotInstalled
-from threadline.pipeline.invoke import BUILTIN_TOOLS, TurnDeps, is_transient
+from threadline.pipeline.invoke import BUILTIN_TOOLS, TurnDeps, falls_back
 from threadline.pipeline.models import (
     StrictSystemModel,
     chat_answer,
@@ -51,10 +51,10 @@ def build_counting_model(spec: ModelSpec, *, env: Mapping[str, str], allow_pytho
 def _fallback_chain(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool) -> Model:
     # Every model of the chain is built (and its key checked) up front: a broken fallback fails the turn
     # now rather than on the day the primary is down. The chain moves on exactly where Threadline would
-    # try again (429, 5xx, connection errors), never on a bad request (`is_transient`).
+    # try again (429, 5xx, connection errors) and on an exhausted quota, never on a bad request (`falls_back`).
     members = [build_model(m.model_copy(update={"fallback": []}), env=env, allow_python=allow_python)
                for m in spec.chain()]
-    return FallbackModel(*members, fallback_on=is_transient)
+    return FallbackModel(*members, fallback_on=falls_back)
 
 
 def model_secrets(spec: ModelSpec, env: Mapping[str, str]) -> list[str]:

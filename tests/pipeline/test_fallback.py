@@ -11,7 +11,12 @@ from typing import Any
 
 import pytest
 from pydantic_ai import Agent
-from pydantic_ai.exceptions import FallbackExceptionGroup, ModelConnectionError, ModelHTTPError
+from pydantic_ai.exceptions import (
+    FallbackExceptionGroup,
+    ModelConnectionError,
+    ModelHTTPError,
+    ModelQuotaExceededError,
+)
 from pydantic_ai.messages import ModelMessage
 from pydantic_ai.models.fallback import FallbackModel
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -25,6 +30,7 @@ from threadline.pipeline.invoke import (
     InvokeOutcome,
     answered_by,
     deciding_error,
+    falls_back,
     invoke_decision,
     is_transient,
     model_error_code,
@@ -115,6 +121,15 @@ def test_a_chain_moves_on_exactly_where_threadline_would_retry(error: Exception,
     assert model_error_code(error)[1] is transient
 
 
+def test_an_exhausted_quota_is_not_retried_but_falls_back() -> None:
+    quota = ModelQuotaExceededError("m", "You exceeded your current quota")
+    assert model_error_code(quota) == ("model_quota_exceeded", False)
+    assert not is_transient(quota) and falls_back(quota)
+    assert falls_back(ModelHTTPError(429, "m")) and not falls_back(ModelHTTPError(400, "m"))
+    chain = FallbackModel(quota_exhausted("primary"), answering("second"), fallback_on=falls_back)
+    assert run(chain) == ("second", ["primary"])
+
+
 def test_a_chain_that_failed_as_a_whole_is_classified_by_its_first_transient_error() -> None:
     group = FallbackExceptionGroup("all failed", [ModelHTTPError(400, "a"), ModelHTTPError(429, "b")])
     assert model_error_code(deciding_error(group)) == ("model_rate_limited", True)
@@ -129,6 +144,14 @@ def test_a_chain_that_failed_as_a_whole_is_classified_by_its_first_transient_err
 def failing(status: int, name: str) -> FunctionModel:
     async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
         raise ModelHTTPError(status, name)
+        yield ""  # pragma: no cover - makes this an async generator
+
+    return FunctionModel(stream_function=stream, model_name=name)
+
+
+def quota_exhausted(name: str) -> FunctionModel:
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        raise ModelQuotaExceededError(name, "You exceeded your current quota")
         yield ""  # pragma: no cover - makes this an async generator
 
     return FunctionModel(stream_function=stream, model_name=name)

@@ -64,8 +64,9 @@ class Refusing(LocalServer):
     """An HTTP server that answers every request with one error status (and `Retry-After: 7` on a
     429), recording each request's path and lower-cased headers."""
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, error: dict[str, Any] | None = None) -> None:
         self.status = status
+        self.error = error or {"message": "refused by the test server", "code": status}
         self.requests: list[Request] = []
         server = self
 
@@ -75,7 +76,7 @@ class Refusing(LocalServer):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 server.requests.append(Request(self.path, {k.lower(): v for k, v in self.headers.items()}))
-                body = json.dumps({"error": {"message": "refused by the test server", "code": server.status}}).encode()
+                body = json.dumps({"error": server.error}).encode()
                 self.send_response(server.status)
                 self.send_header("Content-Type", "application/json")
                 if server.status == 429:
@@ -135,6 +136,23 @@ async def test_each_providers_errors_map_to_threadline_codes(provider: str, stat
         error = await call(build_model(spec, env=KEYS))
         assert len(server.requests) == 1
         assert model_error_code(error) == code
+
+
+@pytest.mark.parametrize("provider", sorted(HOSTED))
+async def test_an_exhausted_quota_maps_to_its_own_code_and_is_not_retried(provider: str) -> None:
+    with Refusing(402) as server:
+        spec = ModelSpec(provider=provider, name="m", base_url=server.base_url(provider))  # type: ignore[arg-type]
+        error = await call(build_model(spec, env=KEYS))
+    assert len(server.requests) == 1
+    assert model_error_code(error) == ("model_quota_exceeded", False)
+
+
+async def test_openais_insufficient_quota_429_is_not_a_rate_limit() -> None:
+    quota = {"message": "You exceeded your current quota.", "type": "insufficient_quota", "code": "insufficient_quota"}
+    with Refusing(429, quota) as server:
+        spec = ModelSpec(provider="openai", name="m", base_url=server.base_url("openai"))
+        error = await call(build_model(spec, env=KEYS))
+    assert model_error_code(error) == ("model_quota_exceeded", False)
 
 
 @pytest.mark.parametrize("provider", COMPATIBLE)
