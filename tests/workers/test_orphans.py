@@ -104,3 +104,17 @@ def test_a_message_whose_ack_failed_stays_held(broker: DoorbellBroker, monkeypat
     assert next(fresh) is None and queued(broker) == [] and acks(broker) == {only}
     fresh.ack(message)
     assert acks(broker) == set()
+
+
+def test_a_delay_queues_handed_out_messages_are_put_back_with_its_next_consumer(broker: DoorbellBroker) -> None:
+    actor = next(name for name, a in broker.actors.items() if a.queue_name == QUEUE)
+    delayed = broker.enqueue(Message(queue_name=QUEUE, actor_name=actor, args=({"turn_id": "t"},), kwargs={},
+                                     options={}), delay=60_000)
+    dq = f"{QUEUE}.DQ"
+    first = broker.consume(dq, prefetch=1, timeout=50)
+    waiting = next(first)
+    # dramatiq keeps it in the consumer thread's wait list until its eta, and drops that list with
+    # the consumer when the connection is lost
+    assert waiting is not None and waiting.options["redis_message_id"] == delayed.options["redis_message_id"]
+    again = next(broker.consume(dq, prefetch=1, timeout=50))
+    assert again is not None and again.options["redis_message_id"] == delayed.options["redis_message_id"]
