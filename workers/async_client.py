@@ -257,7 +257,9 @@ class AsyncClient:
         for _ in range(DELETE_ATTEMPTS):
             rows = {_text(mid): turn_of_row(row)
                     async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
-            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows)
+            stored = await self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
+            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
+                                 stored_tenant=_text(stored) if stored is not None else None)
             result = delete_result(conversation_id, await self._delete(keys=keys, args=[arg]))
             if result is not None:
                 return result

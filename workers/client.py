@@ -439,7 +439,7 @@ class Client:
 
     def conversations(self, tenant_id: str, *, limit: int = 50, offset: int = 0) -> list[ConversationRecord]:
         """The tenant's conversations, the most recently active first. Ids whose conversation is gone
-        (deleted, expired) leave the index as they are met."""
+        other than by a delete (which removes them) leave the index as they are met."""
         from .schema import conversation_from_hash, text_map
 
         index = self.keys.tenant_conversations(tenant_id)
@@ -546,7 +546,9 @@ class Client:
         for _ in range(DELETE_ATTEMPTS):
             rows = {text(mid): turn_of_row(row)
                     for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
-            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows)
+            stored = self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
+            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
+                                 stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, self._delete(keys=keys, args=[arg]))
             if result is not None:
                 return result

@@ -107,7 +107,8 @@ class Keys:
 
     def tenant_conversations(self, tenant_id: str) -> str:
         """Sorted set: the tenant's conversation ids scored by their last accepted turn (advance.lua
-        writes it with the conversation's own tenant); listing drops ids whose conversation is gone."""
+        writes it with the conversation's own tenant, delete_conversation.lua removes it); listing drops ids
+        whose conversation is gone some other way."""
         return f"{self.prefix}:tenant:{tenant_id}:convs"
 
     def api_keys(self) -> str:

@@ -147,16 +147,19 @@ def turn_of_row(row: bytes | str) -> str:
 
 
 def deletion(keys: Keys, graph: StageGraph, conversation_id: str, *, tenant_id: str | None,
-             rows: Mapping[str, str]) -> tuple[list[str], str]:
-    """KEYS and ARGV[1] of delete_conversation.lua, for the rows read (message id -> turn id)."""
+             rows: Mapping[str, str], stored_tenant: str | None) -> tuple[list[str], str]:
+    """KEYS and ARGV[1] of delete_conversation.lua, for the rows read (message id -> turn id) and the
+    tenant read from the conversation (whose conversation index loses it)."""
     cid, k = conversation_id, keys
     head = [k.conversation(cid), k.messages(cid), k.turn_queue(cid), k.lease(cid), k.waiting(cid)]
     turns = sorted(set(rows.values()))
     stages = [s.name for s in graph.turn_stages]
     rest = [key for key in k.conversation_keys(cid) if key not in head]
     owned = [key for turn_id in turns for key in k.turn_keys(turn_id, stages)]
-    return ([*head, k.running(), k.activity(), *rest, *owned],
-            lua.payload(conversation_id=cid, tenant_id=tenant_id or "", messages=sorted(rows), turns=turns))
+    index = k.tenant_conversations(stored_tenant or "-")
+    return ([*head, k.running(), k.activity(), index, *rest, *owned],
+            lua.payload(conversation_id=cid, tenant_id=tenant_id or "", messages=sorted(rows), turns=turns,
+                        stored_tenant=stored_tenant or ""))
 
 
 def delete_result(conversation_id: str, reply: Sequence[bytes | int]) -> DeleteResult | None:
@@ -581,7 +584,9 @@ class Store:
         for _ in range(DELETE_ATTEMPTS):
             rows = {text(mid): turn_of_row(row)
                     async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
-            keys, arg = deletion(self.keys, self.graph, conversation_id, tenant_id=tenant_id, rows=rows)
+            stored = await self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
+            keys, arg = deletion(self.keys, self.graph, conversation_id, tenant_id=tenant_id, rows=rows,
+                                 stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, await self._run("delete_conversation", keys, arg))
             if result is not None:
                 return result

@@ -80,11 +80,13 @@ async def test_delete_removes_the_conversation_and_its_turns_and_nothing_else(st
 
     after = await dump(store.redis, store.settings.prefix)
     assert keys_of(after, cid, *ids) == set()
-    index = k.activity()
-    kind, members, expires = before[index]
-    assert after[index] == (kind, [(m, score) for m, score in members if m != cid.encode()], expires)
-    assert {key: v for key, v in before.items() if key not in mine and key != index} == {
-        key: v for key, v in after.items() if key != index}
+    # the activity index and the tenant's conversation index lose exactly this conversation
+    indexes = (k.activity(), k.tenant_conversations("t1"))
+    for index in indexes:
+        kind, members, expires = before[index]
+        assert after[index] == (kind, [(m, score) for m, score in members if m != cid.encode()], expires)
+    assert {key: v for key, v in before.items() if key not in mine and key not in indexes} == {
+        key: v for key, v in after.items() if key not in indexes}
     assert await store.redis.zscore(k.running(), running.id) is not None
     assert await store.delete_conversation(cid) == DeleteResult("not_found", cid)
 
@@ -128,8 +130,10 @@ async def test_rows_that_changed_since_they_were_read_are_read_again(stores: Sto
     cid, ids = await finished_conversation(store)
     before = await dump(store.redis, store.settings.prefix)
     script = store.redis.register_script(lua.source("delete_conversation"))
-    for stale in ({ids[0]: ids[0]}, {ids[0]: ids[0], "m-gone": "m-gone"}):  # a row missing; a row unknown
-        keys, arg = deletion(store.keys, DEFAULT_GRAPH, cid, tenant_id=None, rows=stale)
+    rows = {mid: mid for mid in ids}
+    for stale, tenant in (({ids[0]: ids[0]}, "t1"), ({**rows, "m-gone": "m-gone"}, "t1"),  # a row missing, unknown
+                          (rows, "t2")):  # the index of another tenant than the conversation's
+        keys, arg = deletion(store.keys, DEFAULT_GRAPH, cid, tenant_id=None, rows=stale, stored_tenant=tenant)
         assert delete_result(cid, await script(keys=keys, args=[arg])) is None
     assert await dump(store.redis, store.settings.prefix) == before
     assert (await store.delete_conversation(cid)).turns == 2

@@ -82,6 +82,9 @@ def test_delete_removes_every_key_of_the_conversation_and_leaves_every_other_key
     k, r = client.keys, client.redis
     assert r.hlen(k.summaries(a)) and r.hlen(k.token_counts(a)) and r.hlen(k.decisions(a)) and r.hlen(k.snapshots(a))
     before = dump_all(r, k.prefix)
+    index = k.tenant_conversations("t1")
+    listed = [m.decode() for m in r.zrange(index, 0, -1)]
+    assert a in listed and b in listed
     mine = {key for key in before if any(name in key for name in (a, *a_turns))}
     assert {k.turn(t) for t in a_turns} | {k.events(t) for t in a_turns} <= mine
 
@@ -90,7 +93,10 @@ def test_delete_removes_every_key_of_the_conversation_and_leaves_every_other_key
 
     after = dump_all(r, k.prefix)
     assert [key for key in after if any(name in key for name in (a, *a_turns))] == []
-    assert after == {key: value for key, value in before.items() if key not in mine}
+    # the tenant's conversation index loses exactly this conversation; every other key is as it was
+    assert [m.decode() for m in r.zrange(index, 0, -1)] == [c for c in listed if c != a]
+    assert {key: v for key, v in after.items() if key != index} == {
+        key: v for key, v in before.items() if key not in mine and key != index}
     assert k.usage("t1") in after  # usage counters are billing history: kept
     assert client.thread(a) == [] and list(client.events(a_turns[-1])) == []
     # the other conversation goes on; the deleted one is not found, by a turn or by a second delete

@@ -4,10 +4,11 @@
 -- half-deleted conversation back. The caller reads the message rows first (their turns' keys must
 -- arrive in KEYS); rows that changed since then make it answer 'changed', to be read again.
 -- KEYS[1] conversation   KEYS[2] messages   KEYS[3] line   KEYS[4] lease   KEYS[5] waiting requests
--- KEYS[6] running turns   KEYS[7] activity index   KEYS[8...] every other key to delete: the rest of
+-- KEYS[6] running turns   KEYS[7] activity index   KEYS[8] the tenant's conversation index (of the
+-- tenant the caller read from the conversation)   KEYS[9...] every other key to delete: the rest of
 -- the conversation's keys, then each turn's keys
 -- ARGV[1] JSON {conversation_id, tenant_id ("" = any), messages: [message id...] (the rows read),
---               turns: [turn id...] (theirs)}
+--               turns: [turn id...] (theirs), stored_tenant (the tenant KEYS[8] is the index of)}
 -- Returns {'deleted', messages, turns} | {'not_found'} | {'busy', turn...} | {'changed'}
 local conv, msgs, line, lease, waiting = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local a = cjson.decode(ARGV[1])
@@ -30,12 +31,13 @@ if busy then
   end
   return out
 end
-if redis.call('HLEN', msgs) ~= #a.messages then return {'changed'} end
+if tenant ~= a.stored_tenant or redis.call('HLEN', msgs) ~= #a.messages then return {'changed'} end
 for _, id in ipairs(a.messages) do
   if redis.call('HEXISTS', msgs, id) == 0 then return {'changed'} end
 end
 for _, turn in ipairs(a.turns) do redis.call('ZREM', KEYS[6], turn) end
 redis.call('ZREM', KEYS[7], a.conversation_id)
+redis.call('ZREM', KEYS[8], a.conversation_id)
 redis.call('DEL', conv, msgs, line, lease, waiting)
-for i = 8, #KEYS, 500 do redis.call('DEL', unpack(KEYS, i, math.min(i + 499, #KEYS))) end
+for i = 9, #KEYS, 500 do redis.call('DEL', unpack(KEYS, i, math.min(i + 499, #KEYS))) end
 return {'deleted', #a.messages, #a.turns}
