@@ -31,7 +31,7 @@ from dramatiq.message import Message, get_encoder
 
 from threadline.pipeline.redact import redact
 
-from . import lua
+from . import lua, metrics
 from .keys import Keys
 from .listener import Listener
 from .settings import Settings
@@ -364,6 +364,7 @@ class DoorbellConsumer(_RedisConsumer):
         if orphans:
             self.broker.do_requeue(self.queue_name, *orphans)
             self.broker.ring(self.queue_name)  # the other processes' consumers may take them too
+            metrics.ORPHANS_REQUEUED.labels(self.queue_name).inc(len(orphans))
             log.warning("orphaned_messages_requeued", queue=self.queue_name, messages=len(orphans))
 
     def __next__(self) -> dramatiq.MessageProxy | None:

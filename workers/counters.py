@@ -38,6 +38,8 @@ from threadline.pipeline.tokens import (
     tool_definitions_json,
 )
 
+from . import metrics
+
 #: The longest wait for one count; past it the turn counts with the fallback.
 COUNT_TIMEOUT_S = 5.0
 #: After a failed count the endpoint is not asked again for this long.
@@ -100,10 +102,11 @@ class ProviderCounter:
 
     tokenizer: Tokenizer | None = None
 
-    def __init__(self, name: str, model: Model, fallback: LocalCounter, *,
+    def __init__(self, name: str, model: Model, fallback: LocalCounter, *, provider: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.model = model
+        self.provider = provider or name
         self.fallback = fallback
         self._clock = clock
         self._texts: OrderedDict[bytes, int] = OrderedDict()
@@ -141,14 +144,17 @@ class ProviderCounter:
 
     async def _count(self, messages: list[ModelMessage]) -> int:
         if self._clock() < self._down_until:
+            metrics.TOKEN_COUNTS.labels(self.provider, "skipped").inc()
             raise CountUnavailable(self._reason, self.fallback)
         try:
             async with asyncio.timeout(COUNT_TIMEOUT_S):
                 usage = await self.model.count_tokens(messages, None, ModelRequestParameters())
         except Exception as e:
+            metrics.TOKEN_COUNTS.labels(self.provider, "failed").inc()
             self._reason = f"the count endpoint failed ({_describe(e)}); counted with {self.fallback.name}"
             self._down_until = self._clock() + COUNT_RETRY_S
             raise CountUnavailable(self._reason, self.fallback) from None
+        metrics.TOKEN_COUNTS.labels(self.provider, "ok").inc()
         return usage.input_tokens
 
 

@@ -61,6 +61,12 @@ REDELIVERIES = Counter("threadline_redeliveries", "Messages delivered again afte
                        "retries), by stage", ["stage"])
 TAKEOVERS = Counter("threadline_watchdog_takeovers", "Stalled turns the watchdog enqueued again, by the stage they "
                     "stalled at", ["stage"])
+ORPHANS_REQUEUED = Counter("threadline_orphaned_messages_requeued", "Messages a consumer put back because its "
+                           "process held them no more (fetched by a consumer that lost its connection), by queue",
+                           ["queue"])
+TOKEN_COUNTS = Counter("threadline_token_count_requests", "Requests to providers' token count endpoints, by provider "
+                       "and result (ok; failed: the turn counted locally; skipped: left alone after a failure)",
+                       ["provider", "result"])
 CANCEL_SECONDS = Histogram("threadline_cancel_latency_seconds",
                            "From a cancel request to the end of the cancelled model run", buckets=_CANCEL_BUCKETS)
 INPUT_TOKENS = Counter("threadline_model_input_tokens", "Model input tokens of ended turns", ["agent", "tenant"])

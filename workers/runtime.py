@@ -112,7 +112,7 @@ class Runtime:
                                              allow_python=self.settings.allow_python_models)
                 fallback = LocalCounter(load_tokenizer(None, spec.provider))
                 counter = self._counters[key] = ProviderCounter(f"provider:{spec.provider}:{spec.name}", model,
-                                                                fallback)
+                                                                fallback, provider=spec.provider)
             return counter
 
     def secrets(self, spec: ModelSpec) -> list[str]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from pydantic import ValidationError
 from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart, UserPromptPart
 from pydantic_ai.models import override_allow_model_requests
@@ -115,6 +116,7 @@ def test_a_failing_endpoint_names_the_fallback_and_is_left_alone_for_a_while() -
     clock = Clock()
 
     async def run(server: FakeProvider) -> None:  # one event loop, as on a worker: the client is bound to it
+        before = {result: count_requests(result) for result in ("ok", "failed", "skipped")}
         counter = counter_for(server, clock)
         with pytest.raises(CountUnavailable) as failed:
             await counter.text("hello")
@@ -126,14 +128,23 @@ def test_a_failing_endpoint_names_the_fallback_and_is_left_alone_for_a_while() -
         with pytest.raises(CountUnavailable):
             await counter.turns({"t1": TURN})
         assert len(server.exchanges) == 1
+        assert count_requests("failed") == before["failed"] + 1 and count_requests("skipped") == before["skipped"] + 1
 
         clock.now += COUNT_RETRY_S  # asked again after the pause
         server.count_status = None
         assert await counter.text("hello") == request_tokens(server.exchanges[-1].body)
         assert len(server.exchanges) == 2
+        assert count_requests("ok") == before["ok"] + 1
 
     with FakeProvider("anthropic", count_status=500) as server:
         asyncio.run(run(server))
+
+
+def count_requests(result: str) -> float:
+    """`threadline_token_count_requests_total` for the fakes' counters (named after their provider)."""
+    value = REGISTRY.get_sample_value("threadline_token_count_requests_total",
+                                      {"provider": "provider:anthropic", "result": result})
+    return value or 0.0
 
 
 def test_a_slow_endpoint_is_given_up_on_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:

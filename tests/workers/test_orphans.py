@@ -14,6 +14,7 @@ import pytest
 import redis
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
+from prometheus_client import REGISTRY
 
 from tests.conftest import drop_prefix
 from threadline.pipeline.stages import DEFAULT_GRAPH
@@ -64,8 +65,10 @@ def test_a_new_consumer_puts_back_what_the_lost_one_had_fetched_and_keeps_what_i
     assert acks(broker) == set(ids) and queued(broker) == []
 
     # the connection drops: dramatiq throws `lost` away with its cache and makes a new consumer
+    requeued = REGISTRY.get_sample_value("threadline_orphaned_messages_requeued_total", {"queue": QUEUE}) or 0.0
     fresh = broker.consume(QUEUE, prefetch=3, timeout=50)
     got = [next(fresh), next(fresh)]
+    assert REGISTRY.get_sample_value("threadline_orphaned_messages_requeued_total", {"queue": QUEUE}) == requeued + 2
     assert sorted(m.options["redis_message_id"] for m in got if m is not None) == sorted(ids[1:])
     assert acks(broker) == set(ids)  # fetched again, now held
     # the one still being processed was left alone, and its ack still works
