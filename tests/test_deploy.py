@@ -491,7 +491,8 @@ def defined_series(redis_url: str) -> set[str]:
     metrics, and the families the queue collector reads from a (real, empty) prefix."""
     families = [m for c in (metrics.TURNS, metrics.STAGE_SECONDS, metrics.STAGES_RUNNING, metrics.REDELIVERIES,
                             metrics.TAKEOVERS, metrics.CANCEL_SECONDS, metrics.INPUT_TOKENS, metrics.OUTPUT_TOKENS,
-                            metrics.MODEL_REQUESTS, metrics.CONSUMERS, metrics.WORKER_READY)
+                            metrics.MODEL_REQUESTS, metrics.CONSUMERS, metrics.WORKER_READY, metrics.ORPHANS_REQUEUED,
+                            metrics.TOKEN_COUNTS)
                 for m in c.describe()]
     client = redis.Redis.from_url(redis_url)
     try:
