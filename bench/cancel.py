@@ -24,7 +24,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 from .procs import Processes, Server, raise_on_sigterm
 from .stats import Summary

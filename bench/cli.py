@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 from .procs import Processes, Server, bench_session, progress, python_env
 from .stats import percentile

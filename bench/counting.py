@@ -29,12 +29,12 @@ from pathlib import Path
 from tests.support.fake_providers import FakeProvider
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageInput, history_stage
-from threadline.workers.client import Client
-from threadline.workers.control import CancelRegistry
-from threadline.workers.loaders import load_thread
-from threadline.workers.runtime import Runtime
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings, model_policy
-from threadline.workers.store import Store
+from threadline.workers.storage.store import Store
+from threadline.workers.worker.cancellation import CancelRegistry
+from threadline.workers.worker.loaders import load_thread
+from threadline.workers.worker.runtime import Runtime
 
 from .history import Talk, _resolve
 from .procs import Processes, Server, bench_session, progress

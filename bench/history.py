@@ -76,12 +76,12 @@ from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.resolve import choose_config, resolve_turn
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageInput, StageOutput, history_stage
 from threadline.pipeline.tokens import Tokenizer, count_message, count_messages
-from threadline.workers.control import CancelRegistry
-from threadline.workers.loaders import load_thread
-from threadline.workers.runtime import Runtime
 from threadline.workers.settings import Settings
-from threadline.workers.store import Store
-from threadline.workers.tokenizers import load_tokenizer
+from threadline.workers.storage.store import Store
+from threadline.workers.worker.cancellation import CancelRegistry
+from threadline.workers.worker.loaders import load_thread
+from threadline.workers.worker.runtime import Runtime
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 from .procs import Processes, Server, bench_session, progress
 from .run import code_version

@@ -42,7 +42,7 @@ from typing import Any
 
 import redis
 
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 from .procs import Child, Processes, Server, bench_session, progress, python_env
 

@@ -26,7 +26,7 @@ import redis
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 from . import bare_chain
 from .procs import Child, Processes, python_env

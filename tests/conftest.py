@@ -21,11 +21,11 @@ import redis.asyncio as aioredis
 from tests.support.restartable import Restartable
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
-from threadline.workers.client import Client
-from threadline.workers.embedded import ensure_embedded
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
-from threadline.workers.store import Store
-from threadline.workers.worker import start_worker
+from threadline.workers.storage.embedded import ensure_embedded
+from threadline.workers.storage.store import Store
+from threadline.workers.worker.process import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,12 +31,12 @@ import yaml
 from tests.support.wait import poll
 from threadline.pipeline.policy import CONVENTIONAL_KEY_NAMES, REGION_VARIABLES
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers import metrics
-from threadline.workers.actors import queues as all_queues
-from threadline.workers.keys import Keys
-from threadline.workers.operations import Operations
+from threadline.workers.operations.status import Operations
+from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
-from threadline.workers.worker import KILL_MARGIN_S
+from threadline.workers.telemetry import metrics
+from threadline.workers.worker.actors import queues as all_queues
+from threadline.workers.worker.process import KILL_MARGIN_S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -426,7 +426,7 @@ def test_gateway_deployment_has_probes_resources_grace_and_a_service() -> None:
 def test_the_gateway_serves_its_probe_paths_and_only_readiness_asks_redis(redis_url: str) -> None:
     from fastapi.testclient import TestClient
 
-    from threadline.workers.gateway import create_app
+    from threadline.workers.gateway.app import create_app
 
     settings = Settings.from_env({"TL_PREFIX": f"tld{uuid.uuid4().hex[:6]}"})
     with TestClient(create_app(settings, redis_url)) as up:

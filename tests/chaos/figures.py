@@ -14,7 +14,7 @@ from typing import Any
 from pydantic_ai.messages import ModelRequest, UserPromptPart
 
 from threadline.pipeline import events as ev
-from threadline.pipeline.models import chat_answer
+from threadline.pipeline.llm import chat_answer
 
 #: Usage counters a terminal event carries and the tenant's usage hash adds up.
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "requests")

@@ -34,9 +34,9 @@ from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import new_conversation_id
-from threadline.workers.client import Client
-from threadline.workers.keys import Keys
-from threadline.workers.schema import text
+from threadline.workers.clients.client import Client
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]

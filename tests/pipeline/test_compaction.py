@@ -17,7 +17,7 @@ from threadline.pipeline.compaction import (
     window_start,
 )
 from threadline.pipeline.history import SUMMARY_HEADER, ThreadRead, budgeted_history, decode_messages, encode_messages
-from threadline.pipeline.models import first_sentence, summary_answer
+from threadline.pipeline.llm import first_sentence, summary_answer
 from threadline.pipeline.records import MessageRecord
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.pipeline.tokens import CharsTokenizer, count_messages

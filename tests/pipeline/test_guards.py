@@ -50,7 +50,7 @@ from threadline.pipeline.invoke import answer_without_model, build_agent, run_tu
 from threadline.pipeline.records import ConversationRecord, ResolvedTurn
 from threadline.pipeline.resolve import resolve_turn
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
-from threadline.workers.stream import TurnStream
+from threadline.workers.worker.stream import TurnStream
 
 models.ALLOW_MODEL_REQUESTS = False
 

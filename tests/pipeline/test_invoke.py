@@ -39,13 +39,13 @@ from threadline.pipeline.invoke import (
     run_turn,
 )
 from threadline.pipeline.limits import truncate_text, truncation_marker
+from threadline.pipeline.llm import StrictSystemModel, chat_answer, profile_for
 from threadline.pipeline.mapping import normalise_messages
-from threadline.pipeline.models import StrictSystemModel, chat_answer, profile_for
 from threadline.pipeline.persist import prepare_snapshot, run_answer
 from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
-from threadline.workers.models import build_model, build_tools
-from threadline.workers.stream import TurnStream
+from threadline.workers.worker.providers import build_model, build_tools
+from threadline.workers.worker.stream import TurnStream
 
 models.ALLOW_MODEL_REQUESTS = False
 

@@ -10,7 +10,7 @@ import uvicorn
 
 from tests.support.local_http import free_port
 from tests.support.wait import wait_until
-from threadline.workers.gateway import create_app
+from threadline.workers.gateway.app import create_app
 from threadline.workers.settings import Settings
 
 

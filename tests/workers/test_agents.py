@@ -16,8 +16,8 @@ import redis
 from tests.conftest import WorkerPool, turn
 from threadline.pipeline import events as ev
 from threadline.pipeline.errors import AgentNotFound, InvalidRequest
-from threadline.workers.cli import main
-from threadline.workers.client import Client
+from threadline.workers.cli.main import main
+from threadline.workers.clients.client import Client
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from tests.workers.test_outcomes import assert_one_terminal, python_model, recor
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 pytestmark = pytest.mark.integration
 

@@ -28,11 +28,12 @@ from tests.conftest import ROOT, AgentFactory, WorkerPool, drop_prefix
 from threadline.pipeline import events as ev
 from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers import cli, control
-from threadline.workers import client as client_module
-from threadline.workers.client import Client
-from threadline.workers.embedded import ensure_embedded
+from threadline.workers.cli import main as cli
+from threadline.workers.clients import client as client_module
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
+from threadline.workers.storage.embedded import ensure_embedded
+from threadline.workers.worker import cancellation as control
 
 SETTINGS_SOURCE = ROOT / "workers" / "settings.py"
 
@@ -330,7 +331,7 @@ def test_the_client_speaks_the_workers_wire_names() -> None:
     assert frozenset(TERMINAL_TYPES) == client_module.TERMINAL_EVENT_TYPES
 
 
-@pytest.mark.parametrize("module", ["threadline.workers.client", "threadline.workers.cli"])
+@pytest.mark.parametrize("module", ["threadline.workers.clients.client", "threadline.workers.cli"])
 def test_importing_the_client_and_the_cli_loads_no_pydantic_ai(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic_ai')[:3])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

@@ -15,8 +15,8 @@ from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.errors import InvalidRequest
-from threadline.workers.async_client import AsyncClient
-from threadline.workers.client import Client, TurnHandle, TurnIdTaken
+from threadline.workers.clients.async_client import AsyncClient
+from threadline.workers.clients.client import Client, TurnHandle, TurnIdTaken
 
 pytestmark = pytest.mark.integration
 

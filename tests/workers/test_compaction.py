@@ -15,10 +15,10 @@ from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.history import SUMMARY_HEADER, decode_messages
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
-from threadline.workers.store import CachedCounts, Store
-from threadline.workers.tokenizers import load_tokenizer
+from threadline.workers.storage.store import CachedCounts, Store
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ import pytest
 from tests.conftest import WorkerPool
 from tests.support.gateway import running_gateway
 from threadline.pipeline.config import AgentConfig
-from threadline.workers.apikeys import create_key
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
+from threadline.workers.storage.api_keys import create_key
 
 if TYPE_CHECKING:
     from playwright.sync_api import Locator, Page

@@ -18,11 +18,11 @@ from pydantic_ai.models import override_allow_model_requests
 
 from tests.support.fake_providers import FakeProvider, ProviderName, request_tokens, text_tokens
 from threadline.pipeline.config import ModelSpec
-from threadline.workers import counters
-from threadline.workers.cli import describe_budget
-from threadline.workers.counters import COUNT_RETRY_S, CountUnavailable, LocalCounter, ProviderCounter
-from threadline.workers.models import build_counting_model
-from threadline.workers.tokenizers import load_tokenizer
+from threadline.workers.cli.main import describe_budget
+from threadline.workers.worker import token_counting as counters
+from threadline.workers.worker.providers import build_counting_model
+from threadline.workers.worker.token_counting import COUNT_RETRY_S, CountUnavailable, LocalCounter, ProviderCounter
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 ENV = {"ANTHROPIC_API_KEY": "sk-fake-anthropic", "GOOGLE_API_KEY": "fake-google",
        "AWS_ACCESS_KEY_ID": "AKIAFAKEBEDROCK", "AWS_SECRET_ACCESS_KEY": "fake-aws-secret", "AWS_REGION": "us-east-1"}

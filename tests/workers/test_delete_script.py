@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 from tests.support.dump import Dump, dump
 from tests.workers.test_scripts import LAST, MODEL, make_turn
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers import lua
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
-from threadline.workers.store import DeleteResult, Store, delete_result, deletion
+from threadline.workers.storage import lua
+from threadline.workers.storage.store import DeleteResult, Store, delete_result, deletion
 
 StoreFactory = Callable[..., Store]
 

@@ -17,9 +17,9 @@ from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers import cli
-from threadline.workers.client import Client
-from threadline.workers.store import DeleteResult
+from threadline.workers.cli import main as cli
+from threadline.workers.clients.client import Client
+from threadline.workers.storage.store import DeleteResult
 
 pytestmark = pytest.mark.integration
 

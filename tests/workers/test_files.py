@@ -16,8 +16,8 @@ from tests.support.local_http import LocalServer
 from tests.support.strict_server import StrictChatServer
 from threadline.pipeline import events as ev
 from threadline.pipeline.history import FileCheck
-from threadline.workers.client import Client
-from threadline.workers.files import check_files
+from threadline.workers.clients.client import Client
+from threadline.workers.worker.files import check_files
 
 IMAGE = b"\x89PNG\r\n\x1a\n" + b"\x00" * 1000
 

@@ -15,7 +15,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import new_conversation_id
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,10 @@ from tests.conftest import WorkerPool
 from tests.support.gateway import free_port, running_gateway
 from tests.support.wait import wait_until
 from threadline.pipeline.config import AgentConfig
-from threadline.workers.apikeys import create_key
-from threadline.workers.cli import run
-from threadline.workers.client import Client
+from threadline.workers.cli.main import run
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
+from threadline.workers.storage.api_keys import create_key
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from tests.conftest import drop_prefix
-from threadline.workers.apikeys import create_key
-from threadline.workers.gateway import create_app
-from threadline.workers.keys import Keys
+from threadline.workers.gateway.app import create_app
+from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
+from threadline.workers.storage.api_keys import create_key
 
 pytestmark = pytest.mark.integration
 

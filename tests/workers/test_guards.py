@@ -15,7 +15,7 @@ from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.strict_server import StrictChatServer, message_text
 from threadline.pipeline import events as ev
 from threadline.pipeline.guards import WITHHELD_QUERY
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 pytestmark = pytest.mark.integration
 

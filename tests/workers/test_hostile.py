@@ -42,8 +42,8 @@ from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA
-from threadline.workers.client import Client
-from threadline.workers.keys import Keys
+from threadline.workers.clients.client import Client
+from threadline.workers.protocol.keys import Keys
 
 pytestmark = pytest.mark.integration
 

@@ -15,9 +15,9 @@ from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.wait import wait_until
 from tests.workers.test_outcomes import assert_one_terminal, python_model, records
 from threadline.pipeline import events as ev
-from threadline.workers.client import Client
-from threadline.workers.limiter import FleetLimiter
-from threadline.workers.store import Store
+from threadline.workers.clients.client import Client
+from threadline.workers.storage.store import Store
+from threadline.workers.worker.limiter import FleetLimiter
 
 pytestmark = pytest.mark.integration
 

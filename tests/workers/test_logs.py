@@ -15,9 +15,9 @@ import pytest
 import structlog
 from dramatiq.brokers.stub import StubBroker
 
-from threadline.workers import logs
-from threadline.workers.logs import ContentFreeMessages, configure_logging, redact_secrets
 from threadline.workers.settings import Settings
+from threadline.workers.telemetry import logs
+from threadline.workers.telemetry.logs import ContentFreeMessages, configure_logging, redact_secrets
 
 QUERY = "Where is my order? My card is 4111-1111-1111-1111"
 KEY = "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z"

@@ -18,8 +18,8 @@ from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.strict_server import StrictChatServer, message_text
 from threadline.pipeline import events as ev
 from threadline.pipeline.tokens import MESSAGE_OVERHEAD_TOKENS, Tokenizer
-from threadline.workers.client import Client
-from threadline.workers.tokenizers import load_tokenizer
+from threadline.workers.clients.client import Client
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -38,11 +38,11 @@ from tests.workers.test_outcomes import python_model, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers import tracing
-from threadline.workers.actors import queues
-from threadline.workers.client import Client
-from threadline.workers.logs import configure_logging
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import DEFAULT_METRICS_PORT, Settings
+from threadline.workers.telemetry import tracing
+from threadline.workers.telemetry.logs import configure_logging
+from threadline.workers.worker.actors import queues
 
 pytestmark = pytest.mark.integration
 

@@ -30,11 +30,11 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig, ModelSpec
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
 from threadline.pipeline.invoke import model_error_code
-from threadline.pipeline.models import StrictSystemModel
+from threadline.pipeline.llm import StrictSystemModel
 from threadline.pipeline.policy import ModelPolicy
-from threadline.workers.client import Client
-from threadline.workers.models import build_model, model_secrets
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
+from threadline.workers.worker.providers import build_model, model_secrets
 
 KEYS = {
     "OPENAI_API_KEY": "sk-openai-test-0001", "ANTHROPIC_API_KEY": "anthropic-test-0002",

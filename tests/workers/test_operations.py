@@ -19,10 +19,10 @@ from tests.conftest import OwnPool, drop_prefix, own_pool, turn
 from tests.support.wait import poll
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers import cli
-from threadline.workers.actors import queues
-from threadline.workers.keys import Keys
-from threadline.workers.operations import Operations
+from threadline.workers.cli import main as cli
+from threadline.workers.operations.status import Operations
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.worker.actors import queues
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,9 @@ from prometheus_client import REGISTRY
 
 from tests.conftest import drop_prefix
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.broker import DoorbellBroker, DoorbellConsumer
 from threadline.workers.settings import Settings
-from threadline.workers.worker import create_broker
+from threadline.workers.worker.broker import DoorbellBroker, DoorbellConsumer
+from threadline.workers.worker.process import create_broker
 
 pytestmark = pytest.mark.integration
 

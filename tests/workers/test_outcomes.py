@@ -22,7 +22,7 @@ from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id
 from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.streaming import TRUNCATED
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 pytestmark = pytest.mark.integration
 

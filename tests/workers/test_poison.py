@@ -17,7 +17,7 @@ from dramatiq.message import Message
 
 from tests.conftest import OwnPool, own_pool, turn
 from tests.support.wait import poll
-from threadline.workers.broker import _parse_message
+from threadline.workers.worker.broker import _parse_message
 
 pytestmark = pytest.mark.integration
 

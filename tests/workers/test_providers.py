@@ -33,9 +33,9 @@ from tests.support.fake_providers import (
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import COUNTED_BY_DEFAULT, AgentConfig, config_to_json
 from threadline.pipeline.errors import ThreadlineError
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import model_policy
-from threadline.workers.tokenizers import default_tokenizer
+from threadline.workers.worker.tokenizers import default_tokenizer
 
 # each provider's SDK is imported by the workers on its first turn (1 to 2 s each): the slow tier
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

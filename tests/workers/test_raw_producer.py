@@ -13,8 +13,8 @@ from dramatiq.message import Message
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool
 from threadline.pipeline import events as ev
-from threadline.workers.client import Client
-from threadline.workers.wire import build_message
+from threadline.workers.clients.client import Client
+from threadline.workers.protocol.wire import build_message
 
 pytestmark = pytest.mark.integration
 

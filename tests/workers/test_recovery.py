@@ -16,7 +16,7 @@ from tests.conftest import WorkerPool, turn
 from tests.workers.test_outcomes import assert_one_terminal, python_model, records, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

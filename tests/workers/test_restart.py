@@ -19,9 +19,9 @@ from tests.support.restartable import Restartable
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
-from threadline.workers.worker import create_broker
+from threadline.workers.worker.process import create_broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

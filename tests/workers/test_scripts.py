@@ -26,11 +26,11 @@ from threadline.pipeline.persist import final_row, new_conversation, pending_row
 from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.resolve import resolve_turn
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers import lua
-from threadline.workers.client import Client
-from threadline.workers.schema import conversation_to_hash
-from threadline.workers.store import WAKE_ID, Accept, Begin, Finish, Next, Store
-from threadline.workers.wire import build_message
+from threadline.workers.clients.client import Client
+from threadline.workers.protocol.schema import conversation_to_hash
+from threadline.workers.protocol.wire import build_message
+from threadline.workers.storage import lua
+from threadline.workers.storage.store import WAKE_ID, Accept, Begin, Finish, Next, Store
 
 SCRIPTS = Path(lua.__file__).parent / "scripts"
 AGENT = AgentConfig.model_validate({"id": "agent-1", "model": "offline:echo"})

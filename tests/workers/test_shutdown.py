@@ -18,8 +18,8 @@ from tests.workers.test_recovery import assert_gapless, holder_pid
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, Stage, StageInput, StageOutput
-from threadline.workers.client import Client
-from threadline.workers.worker import Supervisor
+from threadline.workers.clients.client import Client
+from threadline.workers.worker.process import Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

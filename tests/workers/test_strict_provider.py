@@ -34,7 +34,7 @@ from tests.support.strict_server import (
     template_error,
 )
 from threadline.pipeline import events as ev
-from threadline.workers.client import Client
+from threadline.workers.clients.client import Client
 
 pytestmark = pytest.mark.integration
 

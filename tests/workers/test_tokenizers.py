@@ -16,8 +16,8 @@ import pytest
 
 from threadline.pipeline.errors import ThreadlineError
 from threadline.pipeline.tokens import CharsTokenizer, Tokenizer
-from threadline.workers import tokenizers
-from threadline.workers.tokenizers import default_tokenizer, load_tokenizer
+from threadline.workers.worker import tokenizers
+from threadline.workers.worker.tokenizers import default_tokenizer, load_tokenizer
 
 # The sha256 tiktoken checks its downloads against (tiktoken_ext/openai_public.py).
 OPENAI_VOCABULARY_SHA256 = {
@@ -72,7 +72,7 @@ def test_loading_needs_no_network(tmp_path: Path) -> None:
         "socket.socket.connect = refuse\n"
         "socket.getaddrinfo = refuse\n"
         "socket.create_connection = refuse\n"
-        "from threadline.workers.tokenizers import load_tokenizer\n"
+        "from threadline.workers.worker.tokenizers import load_tokenizer\n"
         "print(load_tokenizer('tiktoken:cl100k_base', 'x').count('hello world'),"
         " load_tokenizer(None, 'openai').count('tiktoken is great!'))\n"
     )

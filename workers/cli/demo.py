@@ -10,11 +10,10 @@ from importlib import resources
 
 from threadline.pipeline import events
 from threadline.pipeline.config import parse_agent_config
-
-from .cli import connect, render_event
-from .client import Client
-from .settings import Settings
-from .worker import Supervisor
+from threadline.workers.cli.main import connect, render_event
+from threadline.workers.clients.client import Client
+from threadline.workers.settings import Settings
+from threadline.workers.worker.process import Supervisor
 
 QUESTIONS = (
     "Hi! I'm Ada and I'm planning a week in Lisbon.",
@@ -31,7 +30,7 @@ def run_demo(settings: Settings, *, delay_ms: int) -> int:
     supervisor.start()
     client = Client(url, prefix=settings.prefix)
     try:
-        text = resources.files("threadline.workers").joinpath("demo_agent.yaml").read_text()
+        text = resources.files("threadline.workers.cli").joinpath("demo_agent.yaml").read_text()
         config = parse_agent_config(text)
         model = config.model.model_copy(update={"options": {"delay_ms": delay_ms}})
         config = config.model_copy(update={"model": model})

@@ -26,16 +26,14 @@ import redis
 from threadline.pipeline.contracts import TURN_SCHEMA, parse_turn_request, valid_turn_id
 from threadline.pipeline.errors import AgentNotFound, ConversationNotFound, ThreadlineError
 from threadline.pipeline.redact import redact
-
-from .client import Client
-from .embedded import EmbeddedServer, ensure_embedded, join_embedded
-from .operations_cli import add_operations_parser
-from .settings import ENVIRONMENT, Settings
+from threadline.workers.cli.operations import add_operations_parser
+from threadline.workers.clients.client import Client
+from threadline.workers.settings import ENVIRONMENT, Settings
+from threadline.workers.storage.embedded import EmbeddedServer, ensure_embedded, join_embedded
 
 if TYPE_CHECKING:
     from threadline.pipeline.events import Event
-
-    from .store import DeleteResult
+    from threadline.workers.storage.store import DeleteResult
 
 #: Exit codes (also in `threadline --help` and the README). 1: a followed turn ended failed,
 #: cancelled or timed out (or an unexpected error); 5: `conversations delete` found the conversation busy.
@@ -153,10 +151,9 @@ def worker_start_line(processes: int, url: str) -> str:
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from threadline.pipeline.stages import DEFAULT_GRAPH
-
-    from .actors import queues
-    from .logs import configure_logging
-    from .worker import Supervisor
+    from threadline.workers.telemetry.logs import configure_logging
+    from threadline.workers.worker.actors import queues
+    from threadline.workers.worker.process import Supervisor
 
     configure_logging(settings)  # only the commands that log set it up: the producer commands start faster
 
@@ -285,7 +282,7 @@ def agents_put(args: argparse.Namespace, client: Client) -> int:
 
 
 def agents_list(args: argparse.Namespace, client: Client) -> int:
-    from . import agents as agent_registry
+    from threadline.workers.storage import agents as agent_registry
 
     summaries = client.agents()
     if args.json:
@@ -296,7 +293,7 @@ def agents_list(args: argparse.Namespace, client: Client) -> int:
 
 
 def agents_show(args: argparse.Namespace, client: Client) -> int:
-    from . import agents as agent_registry
+    from threadline.workers.storage import agents as agent_registry
 
     config = client.agent_config(args.agent, args.version)
     print(config.model_dump_json(indent=2) if args.json else agent_registry.config_yaml(config).rstrip("\n"))
@@ -304,7 +301,7 @@ def agents_show(args: argparse.Namespace, client: Client) -> int:
 
 
 def agents_versions(args: argparse.Namespace, client: Client) -> int:
-    from . import agents as agent_registry
+    from threadline.workers.storage import agents as agent_registry
 
     history = client.agent_versions(args.agent)
     print(json.dumps(history.as_json()) if args.json else "\n".join(agent_registry.render_versions(history)))
@@ -318,7 +315,7 @@ def agents_publish(args: argparse.Namespace, client: Client) -> int:
 
 
 def agents_rollback(args: argparse.Namespace, client: Client) -> int:
-    from . import agents as agent_registry
+    from threadline.workers.storage import agents as agent_registry
 
     changed = client.rollback_agent(args.agent, args.version, author=args.author)
     print(f"{args.agent}: v{agent_registry.parse_version(args.version)} is active" + ("" if changed else " (already)"))
@@ -326,7 +323,7 @@ def agents_rollback(args: argparse.Namespace, client: Client) -> int:
 
 
 def agents_diff(args: argparse.Namespace, client: Client) -> int:
-    from . import agents as agent_registry
+    from threadline.workers.storage import agents as agent_registry
 
     a, b = (client.registry.config(args.agent, agent_registry.parse_version(v)) for v in (args.v1, args.v2))
     print(agent_registry.diff_configs(args.agent, a, b).rstrip("\n") or "identical")
@@ -380,11 +377,11 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     try:
         import uvicorn
 
-        from .gateway import CONSOLE_DIR, create_app
+        from threadline.workers.gateway.app import CONSOLE_DIR, create_app
     except ImportError as e:
         raise Exit(EXIT_BAD_INPUT, f"the gateway needs its extra: pip install 'threadline[gateway]' ({e.name} "
                                    "is missing)") from None
-    from .logs import configure_logging
+    from threadline.workers.telemetry.logs import configure_logging
 
     console = None if args.no_console else args.console or CONSOLE_DIR
     if console is not None and not console.is_dir():
@@ -398,7 +395,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
-    from .apikeys import create_key
+    from threadline.workers.storage.api_keys import create_key
 
     client = producer(settings)
     try:
@@ -427,8 +424,8 @@ def add_gateway_parsers(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
-    from .demo import run_demo
-    from .logs import configure_logging
+    from threadline.workers.cli.demo import run_demo
+    from threadline.workers.telemetry.logs import configure_logging
 
     configure_logging(settings)
     return run_demo(settings, delay_ms=args.delay_ms)
@@ -689,10 +686,3 @@ def _discard_stdout() -> None:
     with contextlib.suppress(OSError, ValueError):  # a stdout with no file descriptor (tests)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
-
-if __name__ == "__main__":
-    # run the package's module, not this `__main__` copy: the commands that import `threadline.workers.cli`
-    # lazily (operations_cli) must raise the same `Exit` that `run` catches
-    from threadline.workers.cli import main as package_main
-
-    package_main()

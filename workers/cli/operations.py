@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from .keys import Keys
-from .settings import Settings
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.settings import Settings
 
 if TYPE_CHECKING:  # imported when a command runs: the CLI's start-up stays fast (bench/cli.py)
-    from .operations import DeadLetter, DeadLetterBody, Operations, Status, TenantUsage
+    from threadline.workers.operations.status import DeadLetter, DeadLetterBody, Operations, Status, TenantUsage
 
 #: Exit codes: no such dead letter; a replay that found the id busy or changed under it.
 EXIT_NOT_FOUND = 3
@@ -32,8 +32,8 @@ def operations(settings: Settings) -> Iterator[Operations]:
     # the CLI's rule for commands that talk to a server: REDIS_URL, else the running embedded one
     import redis
 
-    from .cli import join
-    from .operations import Operations
+    from threadline.workers.cli.main import join
+    from threadline.workers.operations.status import Operations
 
     client = redis.Redis.from_url(join(settings))
     try:
@@ -57,9 +57,8 @@ def _known_queue(queue: str | None) -> None:
     if queue is None:
         return
     from threadline.pipeline.stages import DEFAULT_GRAPH
-
-    from .actors import queues
-    from .cli import EXIT_BAD_INPUT, Exit
+    from threadline.workers.cli.main import EXIT_BAD_INPUT, Exit
+    from threadline.workers.worker.actors import queues
 
     if queue not in (known := queues(DEFAULT_GRAPH)):
         raise Exit(EXIT_BAD_INPUT, f"unknown queue {queue}; the queues are {', '.join(known)}")

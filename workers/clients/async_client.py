@@ -13,9 +13,7 @@ import redis.asyncio as aioredis
 
 from threadline.pipeline.contracts import TurnRequest, new_conversation_id
 from threadline.pipeline.errors import InvalidRequest
-
-from . import lua
-from .client import (
+from threadline.workers.clients.client import (
     ADMIT_ACTOR,
     ADMIT_QUEUE,
     CANCEL_ACTOR,
@@ -34,15 +32,15 @@ from .client import (
     submitted,
     turn_body,
 )
-from .keys import Keys
-from .settings import Settings
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.settings import Settings
+from threadline.workers.storage import lua
 
 if TYPE_CHECKING:
     from threadline.pipeline.events import Event, Terminal
     from threadline.pipeline.records import ConversationRecord, MessageRecord
-
-    from .schema import TurnState
-    from .store import DeleteResult
+    from threadline.workers.protocol.schema import TurnState
+    from threadline.workers.storage.store import DeleteResult
 
 
 class AsyncTurnHandle(BaseHandle):
@@ -195,21 +193,21 @@ class AsyncClient:
         raise TimeoutError(turn_id)
 
     async def turn_state(self, turn_id: str) -> TurnState:
-        from .schema import TurnState, text_map
+        from threadline.workers.protocol.schema import TurnState, text_map
 
         return TurnState.from_hash(text_map(await self.redis.hgetall(self.keys.turn(turn_id))))
 
     # --- conversations -------------------------------------------------------------------------
 
     async def conversation(self, conversation_id: str) -> ConversationRecord | None:
-        from .schema import conversation_from_hash, text_map
+        from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
         fields = text_map(await self.redis.hgetall(self.keys.conversation(conversation_id)))
         return conversation_from_hash(conversation_id, fields)
 
     async def conversations(self, tenant_id: str, *, limit: int = 50, offset: int = 0) -> list[ConversationRecord]:
         """As `Client.conversations`."""
-        from .schema import conversation_from_hash, text_map
+        from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
         index = self.keys.tenant_conversations(tenant_id)
         ids = [_text(cast(bytes, c)) for c in await self.redis.zrevrange(index, offset, offset + limit - 1)]
@@ -249,8 +247,7 @@ class AsyncClient:
         """As `Client.delete_conversation`."""
         from threadline.pipeline.contracts import valid_id
         from threadline.pipeline.stages import DEFAULT_GRAPH
-
-        from .store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
+        from threadline.workers.storage.store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
 
         if valid_id(conversation_id) is None:
             raise InvalidRequest(f"{conversation_id!r} is not a conversation id")

@@ -29,11 +29,10 @@ from threadline.pipeline.contracts import (
 )
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.policy import ModelPolicy
-
-from . import lua
-from .keys import Keys
-from .settings import Settings, model_policy
-from .wire import build_message
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.wire import build_message
+from threadline.workers.settings import Settings, model_policy
+from threadline.workers.storage import lua
 
 # What imports pydantic-ai (the records, history, stage graph, agent registry, store) is imported
 # inside the methods that need it: submitting or cancelling a turn must not pay its ~0.5 s. So are
@@ -43,10 +42,9 @@ if TYPE_CHECKING:
 
     from threadline.pipeline.events import Event, Terminal
     from threadline.pipeline.records import ConversationRecord, MessageRecord
-
-    from .agents import AgentRegistry, AgentSummary, AgentVersions, PutResult
-    from .schema import TurnState
-    from .store import DeleteResult
+    from threadline.workers.protocol.schema import TurnState
+    from threadline.workers.storage.agents import AgentRegistry, AgentSummary, AgentVersions, PutResult
+    from threadline.workers.storage.store import DeleteResult
 
 #: The queue and actor producers enqueue turns to (the stage graph's admit stage) and the control
 #: queue's cancel actor: wire names the README gives raw producers. Written here, not read from
@@ -226,7 +224,7 @@ class Client:
 
     @cached_property
     def registry(self) -> AgentRegistry:
-        from .agents import AgentRegistry
+        from threadline.workers.storage.agents import AgentRegistry
 
         return AgentRegistry(self.redis, self.keys)
 
@@ -259,7 +257,7 @@ class Client:
     def put_agent_result(self, config: AgentConfig | str | bytes, *, draft_id: str | None = None,
                          author: str | None = None) -> PutResult:
         """`put_agent`, telling whether a version was created."""
-        from .agents import default_author
+        from threadline.workers.storage.agents import default_author
 
         if not isinstance(config, AgentConfig):
             config = parse_agent_config(config)
@@ -270,13 +268,13 @@ class Client:
 
     def publish_agent(self, agent_id: str, *, draft_id: str | None = None, author: str | None = None) -> PutResult:
         """The draft (the only one when `draft_id` is None) becomes the next version, made active."""
-        from .agents import default_author
+        from threadline.workers.storage.agents import default_author
 
         return self.registry.publish(agent_id, draft_id=draft_id, author=author or default_author())
 
     def rollback_agent(self, agent_id: str, version: int | str, *, author: str | None = None) -> bool:
         """Make an existing version ("3" or "v3") active for new conversations; False if it already was."""
-        from .agents import default_author, parse_version
+        from threadline.workers.storage.agents import default_author, parse_version
 
         return self.registry.rollback(agent_id, parse_version(version), author=author or default_author())
 
@@ -288,7 +286,7 @@ class Client:
 
     def agent_config(self, agent_id: str, version: int | str | None = None) -> AgentConfig:
         """A version's config (default: the active one); `AgentNotFound` when there is none."""
-        from .agents import parse_version
+        from threadline.workers.storage.agents import parse_version
 
         return self.registry.config(agent_id, None if version is None else parse_version(version))[1]
 
@@ -425,14 +423,14 @@ class Client:
         return {name: json.loads(v) for name, v in zip(names, values, strict=True) if v is not None}
 
     def turn_state(self, turn_id: str) -> TurnState:
-        from .schema import TurnState, text_map
+        from threadline.workers.protocol.schema import TurnState, text_map
 
         return TurnState.from_hash(text_map(self.redis.hgetall(self.keys.turn(turn_id))))
 
     # --- conversations -------------------------------------------------------------------------
 
     def conversation(self, conversation_id: str) -> ConversationRecord | None:
-        from .schema import conversation_from_hash, text_map
+        from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
         fields = text_map(self.redis.hgetall(self.keys.conversation(conversation_id)))
         return conversation_from_hash(conversation_id, fields)
@@ -440,7 +438,7 @@ class Client:
     def conversations(self, tenant_id: str, *, limit: int = 50, offset: int = 0) -> list[ConversationRecord]:
         """The tenant's conversations, the most recently active first. Ids whose conversation is gone
         other than by a delete (which removes them) leave the index as they are met."""
-        from .schema import conversation_from_hash, text_map
+        from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
         index = self.keys.tenant_conversations(tenant_id)
         ids = [_text(cast(bytes, c)) for c in self.redis.zrevrange(index, offset, offset + limit - 1)]
@@ -496,8 +494,7 @@ class Client:
         pinned to the agent's active version. Returns the id of the last message (the tip)."""
         from threadline.pipeline.history import encode_messages
         from threadline.pipeline.records import ConversationRecord, MessageRecord
-
-        from .schema import conversation_to_hash, text
+        from threadline.workers.protocol.schema import conversation_to_hash, text
 
         active = self.redis.hget(self.keys.agent(agent_id), "active")
         stored = self.redis.get(self.keys.agent_version(agent_id, text(active))) if active is not None else None
@@ -537,9 +534,8 @@ class Client:
         (cancel them first); "not_found" when it does not exist or `tenant_id` is not its tenant's.
         Usage counters are billing history, not conversation content: they stay."""
         from threadline.pipeline.stages import DEFAULT_GRAPH
-
-        from .schema import text
-        from .store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
+        from threadline.workers.protocol.schema import text
+        from threadline.workers.storage.store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
 
         if valid_id(conversation_id) is None:
             raise InvalidRequest(f"{conversation_id!r} is not a conversation id")
@@ -555,7 +551,7 @@ class Client:
         return DeleteResult("busy", conversation_id)
 
     def snapshot(self, conversation_id: str, message_id: str) -> bytes | None:
-        from .schema import as_bytes
+        from threadline.workers.protocol.schema import as_bytes
 
         return as_bytes(self.redis.hget(self.keys.snapshots(conversation_id), message_id))
 

@@ -36,12 +36,11 @@ from threadline.pipeline.contracts import (
 from threadline.pipeline.errors import AgentNotFound, ConversationNotFound, Forbidden, ThreadlineError
 from threadline.pipeline.history import extract_thread
 from threadline.pipeline.records import ConversationRecord
-
-from .agents import PutResult, parse_version
-from .apikeys import ApiKey, key_digest, parse_key
-from .async_client import AsyncClient
-from .client import Client, TurnIdTaken, checked_request
-from .settings import Settings
+from threadline.workers.clients.async_client import AsyncClient
+from threadline.workers.clients.client import Client, TurnIdTaken, checked_request
+from threadline.workers.settings import Settings
+from threadline.workers.storage.agents import PutResult, parse_version
+from threadline.workers.storage.api_keys import ApiKey, key_digest, parse_key
 
 #: Seconds between keep-alive comments on an idle event stream (proxies close silent connections).
 PING_S = 15

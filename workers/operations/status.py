@@ -17,12 +17,11 @@ import redis
 
 from threadline.pipeline.redact import redact, redact_value
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
-
-from . import lua
-from .actors import queues as graph_queues
-from .broker import DEAD_LETTERS_MAXLEN, MAX_JSON_DEPTH, _json_too_deep
-from .keys import Keys
-from .schema import text, text_map
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.schema import text, text_map
+from threadline.workers.storage import lua
+from threadline.workers.worker.actors import queues as graph_queues
+from threadline.workers.worker.broker import DEAD_LETTERS_MAXLEN, MAX_JSON_DEPTH, _json_too_deep
 
 #: Messages looked at from the head of a queue for the oldest one (a redelivered message goes to
 #: the tail, so the head is not always the oldest).

@@ -27,10 +27,9 @@ from pydantic import BaseModel, ConfigDict
 
 from threadline.pipeline.config import AgentConfig, config_from_json, config_to_json
 from threadline.pipeline.errors import AgentNotFound, InvalidRequest
-
-from . import lua
-from .keys import Keys
-from .schema import text
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.schema import text
+from threadline.workers.storage import lua
 
 Source = Literal["put", "publish"]
 Action = Literal["put", "publish", "rollback"]

@@ -15,8 +15,7 @@ import redis
 
 from threadline.pipeline.contracts import valid_id
 from threadline.pipeline.errors import InvalidRequest
-
-from .keys import Keys
+from threadline.workers.protocol.keys import Keys
 
 #: Every key starts with it, so a leaked one is easy to find in logs and scanners.
 KEY_PREFIX = "tlk_"

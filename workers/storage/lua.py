@@ -35,7 +35,7 @@ SCRIPT_NAMES: tuple[ScriptName, ...] = (
 @cache
 def source(name: ScriptName) -> str:
     """A script's text with the shared prelude in front."""
-    folder = resources.files("threadline.workers").joinpath("scripts")
+    folder = resources.files("threadline.workers.storage").joinpath("scripts")
     prelude = folder.joinpath("prelude.lua").read_text()
     return prelude + "\n" + folder.joinpath(f"{name}.lua").read_text()
 

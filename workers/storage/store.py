@@ -18,12 +18,18 @@ from threadline.pipeline.errors import AgentNotFound, ConversationNotFound
 from threadline.pipeline.records import ConversationRecord, MessageRecord
 from threadline.pipeline.resolve import ConfigRef
 from threadline.pipeline.stages import StageGraph
-
-from . import lua
-from .keys import Keys
-from .schema import TurnState, as_bytes, conversation_from_hash, conversation_to_hash, text, text_map
-from .settings import Settings
-from .wire import build_message
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.schema import (
+    TurnState,
+    as_bytes,
+    conversation_from_hash,
+    conversation_to_hash,
+    text,
+    text_map,
+)
+from threadline.workers.protocol.wire import build_message
+from threadline.workers.settings import Settings
+from threadline.workers.storage import lua
 
 BeginStatus = Literal["go", "unknown", "done", "terminal", "cancelled", "timed_out", "duplicate"]
 Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled"]

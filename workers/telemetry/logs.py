@@ -17,9 +17,8 @@ import dramatiq
 import structlog
 
 from threadline.pipeline.redact import MASK, MIN_SECRET_CHARS, is_secret_name, redact, redact_value
-
-from .settings import Settings
-from .tracing import add_trace_ids
+from threadline.workers.settings import Settings
+from threadline.workers.telemetry.tracing import add_trace_ids
 
 _ELIDED = "<message content elided>"
 #: Argument strings shorter than this are not scrubbed out of tracebacks: ids and names, not text.

@@ -35,8 +35,7 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
     from threadline.pipeline.records import ResolvedTurn
-
-    from .operations import Operations
+    from threadline.workers.operations.status import Operations
 
 log = structlog.get_logger(__name__)
 
@@ -162,8 +161,8 @@ class MetricsServer:
                  host: str = "0.0.0.0") -> None:
         import redis
 
-        from .keys import Keys
-        from .operations import Operations
+        from threadline.workers.operations.status import Operations
+        from threadline.workers.protocol.keys import Keys
 
         # the port first: taken, it is an OSError before anything needs cleaning up
         try:

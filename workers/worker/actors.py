@@ -9,10 +9,17 @@ from typing import Any
 import dramatiq
 
 from threadline.pipeline.stages import Stage, StageGraph, StageKind
-
-from .control import CANCEL_ACTOR, CONTROL_QUEUE
-from .runner import Malformed, run_admit, run_cancel, run_compaction, run_finish, run_model, run_transform
-from .runtime import Runtime, RuntimeRef
+from threadline.workers.worker.cancellation import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.worker.runner import (
+    Malformed,
+    run_admit,
+    run_cancel,
+    run_compaction,
+    run_finish,
+    run_model,
+    run_transform,
+)
+from threadline.workers.worker.runtime import Runtime, RuntimeRef
 
 Runner = Callable[[Runtime, Stage, object], Awaitable[None]]
 RUNNERS: dict[StageKind, Runner] = {

@@ -31,11 +31,11 @@ from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message, get_encoder
 
 from threadline.pipeline.redact import redact
-
-from . import lua, metrics
-from .keys import Keys
-from .listener import Listener
-from .settings import Settings
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.settings import Settings
+from threadline.workers.storage import lua
+from threadline.workers.telemetry import metrics
+from threadline.workers.worker.listener import Listener
 
 log = structlog.get_logger(__name__)
 

@@ -10,8 +10,8 @@ import redis
 import structlog
 from pydantic_ai import CancellationToken
 
-from .keys import Keys
-from .listener import Listener
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.worker.listener import Listener
 
 log = structlog.get_logger(__name__)
 

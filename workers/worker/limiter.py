@@ -24,8 +24,7 @@ from pydantic_ai.models import Model
 from pydantic_ai.models.concurrency import ConcurrencyLimitedModel
 
 from threadline.pipeline.invoke import TurnAgent
-
-from .store import Store
+from threadline.workers.storage.store import Store
 
 log = structlog.get_logger(__name__)
 

@@ -11,11 +11,10 @@ from threadline.pipeline.budget import BudgetParts, answering_limits, history_bu
 from threadline.pipeline.history import ThreadRead, summary_messages, turn_messages
 from threadline.pipeline.invoke import run_instructions, user_prompt
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
-
-from .counters import CountUnavailable, TokenCounter
-from .files import check_files
-from .models import build_tools
-from .runtime import Runtime
+from threadline.workers.worker.files import check_files
+from threadline.workers.worker.providers import build_tools
+from threadline.workers.worker.runtime import Runtime
+from threadline.workers.worker.token_counting import CountUnavailable, TokenCounter
 
 Loader = Callable[[Runtime, ResolvedTurn, str], Awaitable[Any]]
 

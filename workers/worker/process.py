@@ -26,18 +26,17 @@ import structlog
 from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
 
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
-
-from . import tracing
-from .actors import declare_actors
-from .actors import queues as all_queues
-from .broker import DoorbellBroker
-from .logs import configure_logging
-from .middleware import Boot, GiveUp, Liveness, LogContext, Metrics, Tracing
-from .runtime import RuntimeRef
-from .settings import Settings
+from threadline.workers.settings import Settings
+from threadline.workers.telemetry import tracing
+from threadline.workers.telemetry.logs import configure_logging
+from threadline.workers.worker.actors import declare_actors
+from threadline.workers.worker.actors import queues as all_queues
+from threadline.workers.worker.broker import DoorbellBroker
+from threadline.workers.worker.middleware import Boot, GiveUp, Liveness, LogContext, Metrics, Tracing
+from threadline.workers.worker.runtime import RuntimeRef
 
 if TYPE_CHECKING:
-    from .metrics import MetricsServer
+    from threadline.workers.telemetry.metrics import MetricsServer
 
 log = structlog.get_logger(__name__)
 
@@ -161,7 +160,7 @@ class Supervisor:
         settings = Settings.from_env(self.env)
         if not settings.metrics_port:
             return
-        from .metrics import MetricsServer
+        from threadline.workers.telemetry.metrics import MetricsServer
 
         try:
             self.metrics = MetricsServer(port=settings.metrics_port, url=self.url, prefix=settings.prefix,
@@ -228,6 +227,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("REDIS_URL is not set: start workers with `threadline worker`")
     serve(settings, settings.redis_url, queues=args.queues, threads=args.threads)
 
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from threadline.pipeline.config import ModelSpec, Provider
 from threadline.pipeline.errors import InvalidRequest, ModelKeyMissing, ProviderNotInstalled
 from threadline.pipeline.invoke import BUILTIN_TOOLS, TurnDeps, falls_back
-from threadline.pipeline.models import (
+from threadline.pipeline.llm import (
     StrictSystemModel,
     chat_answer,
     echo,

@@ -58,16 +58,15 @@ from threadline.pipeline.records import ConversationRecord, MessageRecord, Resol
 from threadline.pipeline.resolve import ConfigRef, choose_config, resolve_turn
 from threadline.pipeline.stages import Stage, StageInput
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
-
-from . import metrics, tracing
-from .control import CANCEL_ACTOR, CONTROL_QUEUE
-from .counters import CountUnavailable
-from .limiter import limited_model, turn_limiter
-from .loaders import LOADERS
-from .runtime import Runtime
-from .store import WAKE_ID, Accept, Begin, Finish, Next
-from .stream import TurnStream
-from .wire import build_message
+from threadline.workers.protocol.wire import build_message
+from threadline.workers.storage.store import WAKE_ID, Accept, Begin, Finish, Next
+from threadline.workers.telemetry import metrics, tracing
+from threadline.workers.worker.cancellation import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.worker.limiter import limited_model, turn_limiter
+from threadline.workers.worker.loaders import LOADERS
+from threadline.workers.worker.runtime import Runtime
+from threadline.workers.worker.stream import TurnStream
+from threadline.workers.worker.token_counting import CountUnavailable
 
 log = structlog.get_logger(__name__)
 

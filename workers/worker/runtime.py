@@ -26,15 +26,14 @@ from threadline.pipeline.invoke import TurnAgent, build_agent
 from threadline.pipeline.persist import final_row
 from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.stages import StageGraph
-
-from . import metrics, tracing
-from .control import CancelRegistry
-from .counters import LocalCounter, ProviderCounter, TokenCounter
-from .logs import add_secret
-from .models import build_counting_model, build_model, build_tools, model_secrets
-from .settings import Settings
-from .store import Finish, Store
-from .tokenizers import load_tokenizer
+from threadline.workers.settings import Settings
+from threadline.workers.storage.store import Finish, Store
+from threadline.workers.telemetry import metrics, tracing
+from threadline.workers.telemetry.logs import add_secret
+from threadline.workers.worker.cancellation import CancelRegistry
+from threadline.workers.worker.providers import build_counting_model, build_model, build_tools, model_secrets
+from threadline.workers.worker.token_counting import LocalCounter, ProviderCounter, TokenCounter
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 log = structlog.get_logger(__name__)
 

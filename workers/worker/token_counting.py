@@ -37,8 +37,7 @@ from threadline.pipeline.tokens import (
     count_tool_definitions,
     tool_definitions_json,
 )
-
-from . import metrics
+from threadline.workers.telemetry import metrics
 
 #: The longest wait for one count; past it the turn counts with the fallback.
 COUNT_TIMEOUT_S = 5.0

@@ -32,15 +32,14 @@ from dramatiq.common import dq_name
 
 from threadline.pipeline.contracts import Envelope
 from threadline.pipeline.records import MessageRecord
-
-from . import metrics
-from .control import CONTROL_QUEUE
-from .runtime import Runtime
-from .schema import text
-from .store import with_message_id
+from threadline.workers.protocol.schema import text
+from threadline.workers.storage.store import with_message_id
+from threadline.workers.telemetry import metrics
+from threadline.workers.worker.cancellation import CONTROL_QUEUE
+from threadline.workers.worker.runtime import Runtime
 
 if TYPE_CHECKING:
-    from .broker import Reachability
+    from threadline.workers.worker.broker import Reachability
 
 log = structlog.get_logger(__name__)
 #: Conversations read from the activity index per round trip, and looked at per pass at most.

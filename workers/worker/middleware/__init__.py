@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .boot import Boot
-from .give_up import GiveUp
-from .liveness import Liveness
-from .log_context import LogContext
-from .metrics import Metrics
-from .tracing import Tracing
+from threadline.workers.worker.middleware.boot import Boot
+from threadline.workers.worker.middleware.give_up import GiveUp
+from threadline.workers.worker.middleware.liveness import Liveness
+from threadline.workers.worker.middleware.log_context import LogContext
+from threadline.workers.worker.middleware.metrics import Metrics
+from threadline.workers.worker.middleware.tracing import Tracing
 
 __all__ = ["Boot", "GiveUp", "Liveness", "LogContext", "Metrics", "Tracing"]

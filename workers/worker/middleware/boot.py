@@ -11,11 +11,11 @@ from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.middleware import Middleware
 
 from threadline.pipeline.stages import StageGraph
-from threadline.workers.control import CancelRegistry, CancelWatcher
-from threadline.workers.runtime import Runtime, RuntimeRef
 from threadline.workers.settings import Settings
-from threadline.workers.store import Store
-from threadline.workers.watchdog import Watchdog
+from threadline.workers.storage.store import Store
+from threadline.workers.worker.cancellation import CancelRegistry, CancelWatcher
+from threadline.workers.worker.runtime import Runtime, RuntimeRef
+from threadline.workers.worker.watchdog import Watchdog
 
 
 class Boot(Middleware):
@@ -28,7 +28,7 @@ class Boot(Middleware):
         self._watchdog: concurrent.futures.Future[None] | None = None
 
     def before_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        from threadline.workers.broker import DoorbellBroker
+        from threadline.workers.worker.broker import DoorbellBroker
 
         assert isinstance(broker, DoorbellBroker)
         registry = CancelRegistry()
@@ -41,7 +41,7 @@ class Boot(Middleware):
         self._watchdog = asyncio.run_coroutine_threadsafe(watchdog.run(), loop.loop)
 
     def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        from threadline.workers.broker import DoorbellBroker
+        from threadline.workers.worker.broker import DoorbellBroker
 
         assert isinstance(broker, DoorbellBroker)
         broker.before_shutdown()

@@ -16,7 +16,7 @@ from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.middleware import Middleware
 
 from threadline.pipeline.contracts import extract_turn_id, valid_turn_id
-from threadline.workers.runtime import RuntimeRef
+from threadline.workers.worker.runtime import RuntimeRef
 
 log = structlog.get_logger(__name__)
 

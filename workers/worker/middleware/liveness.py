@@ -28,14 +28,13 @@ import structlog
 from dramatiq.common import iter_queue
 from dramatiq.middleware import Middleware
 
-from threadline.workers import lua
-from threadline.workers.runtime import Runtime, RuntimeRef
 from threadline.workers.settings import Settings
-
-from .give_up import turn_id_of
+from threadline.workers.storage import lua
+from threadline.workers.worker.middleware.give_up import turn_id_of
+from threadline.workers.worker.runtime import Runtime, RuntimeRef
 
 if TYPE_CHECKING:
-    from threadline.workers.broker import Reachability
+    from threadline.workers.worker.broker import Reachability
 
 log = structlog.get_logger(__name__)
 
@@ -129,7 +128,7 @@ class Liveness(Middleware):
     # --- start and stop --------------------------------------------------------------------------
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        from threadline.workers.broker import DoorbellBroker
+        from threadline.workers.worker.broker import DoorbellBroker
 
         assert isinstance(broker, DoorbellBroker)
         queues = sorted(q for q in broker.get_declared_queues()
@@ -141,7 +140,7 @@ class Liveness(Middleware):
     def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         """Runs after Boot's (the consumers fetch nothing more): put back what was fetched and not
         started, and hand the model runs over."""
-        from threadline.workers.broker import DoorbellBroker
+        from threadline.workers.worker.broker import DoorbellBroker
 
         assert isinstance(broker, DoorbellBroker)
         requeued = requeue_prefetched(broker, worker)

@@ -11,7 +11,7 @@ from typing import Any
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from threadline.workers import metrics
+from threadline.workers.telemetry import metrics
 
 
 class Metrics(Middleware):

@@ -10,8 +10,8 @@ import dramatiq
 from dramatiq.middleware import Middleware
 
 from threadline.pipeline.contracts import extract_turn_id, valid_turn_id
-from threadline.workers import tracing
-from threadline.workers.control import CANCEL_ACTOR
+from threadline.workers.telemetry import tracing
+from threadline.workers.worker.cancellation import CANCEL_ACTOR
 
 
 class Tracing(Middleware):
