@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-#: What the supervisor runs per child (`workers/worker.py`, `Supervisor._spawn`).
+#: What the supervisor runs per child (`workers/worker/process.py`, `Supervisor._spawn`).
 WORKER_MODULE = b"threadline.workers.worker"
 
 

@@ -5,7 +5,7 @@ Files of earlier turns are replayed by rule (`replay_files`): a vision model get
 newest turn natively; every other file, an image of an older turn, a `data:` URL or a file over
 `MAX_NATIVE_FILE_BYTES` is replayed as its reference (name, type, size), not its bytes; a file the
 shell found missing or expired is left out. The shell checks the files of the thread read in one
-batch (`workers/files.py`) and passes what it found in."""
+batch (`workers/worker/files.py`) and passes what it found in."""
 
 from __future__ import annotations
 

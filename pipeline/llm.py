@@ -1,6 +1,6 @@
 """Model profiles (the strict single-system-message guard) and what Threadline's offline models
 answer. Building a model from a config (keys from the environment, providers, plugins) is the
-shell's job: `workers/models.py`."""
+shell's job: `workers/worker/providers.py`."""
 
 from __future__ import annotations
 

@@ -23,9 +23,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .history import ThreadRead, budgeted_history, decode_messages, encode_messages
-from .mapping import normalise_messages
-from .records import ResolvedTurn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .history import ThreadRead
+    from .records import ResolvedTurn
 
 StageKind = Literal["admit", "transform", "model", "finish", "compaction"]
 
@@ -127,6 +129,10 @@ class StageGraph:
 
 def history_stage(given: StageInput) -> StageOutput:
     """The newest whole turns of the thread that fit the token budget (the shell reads the thread)."""
+    # imported when a worker runs the stage, not with the graph: producers and operators read the
+    # graph (queue names) without loading pydantic-ai
+    from .history import budgeted_history, encode_messages
+
     read: ThreadRead = given.loaded["thread"]
     messages, window, summary, files = budgeted_history(read, low_water=given.turn.config.memory.low_water)
     budget = read.budget
@@ -148,6 +154,9 @@ def history_stage(given: StageInput) -> StageOutput:
 
 def map_stage(given: StageInput) -> StageOutput:
     """The history normalised for strict chat templates (see `pipeline.mapping`)."""
+    from .history import decode_messages, encode_messages
+    from .mapping import normalise_messages
+
     history = decode_messages(given.artifact, where="the assembled history")
     # A resume answers the open calls of the paused response: leave that frontier to the run.
     mapped, decision = normalise_messages(history, repair_last_response=given.turn.deferred_answers is None)

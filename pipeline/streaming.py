@@ -1,6 +1,6 @@
 """What a running model says, as turn events: pydantic-ai stream events in, turn events out.
 
-Pure: the shell (`workers/stream.py`) owns the tasks that write the events and tick the debouncer;
+Pure: the shell (`workers/worker/stream.py`) owns the tasks that write the events and tick the debouncer;
 this module decides what to send and when, given the time it is told.
 """
 

@@ -1,7 +1,7 @@
 """Token counts for the memory budget: the text each message part puts before the model, counted with
 the model's own tokenizer.
 
-Pure: the tokenizer is loaded in the shell (`workers/tokenizers.py`) and passed in. Characters ÷ 4
+Pure: the tokenizer is loaded in the shell (`workers/worker/tokenizers.py`) and passed in. Characters ÷ 4
 (`CharsTokenizer`) is only the labelled fallback, named `chars/4` wherever a count is recorded.
 """
 

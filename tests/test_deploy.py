@@ -31,11 +31,12 @@ import yaml
 from tests.support.wait import poll
 from threadline.pipeline.policy import CONVENTIONAL_KEY_NAMES, REGION_VARIABLES
 from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.operations import metrics_server
 from threadline.workers.operations.status import Operations
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.names import queues as all_queues
 from threadline.workers.settings import Settings
 from threadline.workers.telemetry import metrics
-from threadline.workers.worker.actors import queues as all_queues
 from threadline.workers.worker.process import KILL_MARGIN_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +270,7 @@ def test_dockerignore_keeps_local_state_and_secrets_out_of_the_build_context() -
     for path in (".venv/bin/python", ".git/HEAD", ".threadline/data", "workers/__pycache__/x.pyc",
                  "deploy/.env", ".env", "tests/conftest.py"):
         assert ignored(path), path
-    for path in ("pyproject.toml", "README.md", "pipeline/stages.py", "workers/scripts/finish.lua",
+    for path in ("pyproject.toml", "README.md", "pipeline/stages.py", "workers/storage/scripts/finish.lua",
                  "deploy/healthcheck.py"):
         assert not ignored(path), f"the image needs {path}"
 
@@ -496,7 +497,7 @@ def defined_series(redis_url: str) -> set[str]:
                 for m in c.describe()]
     client = redis.Redis.from_url(redis_url)
     try:
-        families += list(metrics.QueueCollector(Operations(client, Keys(f"tlg{uuid.uuid4().hex[:6]}"))).collect())
+        families += list(metrics_server.QueueCollector(Operations(client, Keys(f"tlg{uuid.uuid4().hex[:6]}"))).collect())
     finally:
         client.close()
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

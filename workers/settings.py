@@ -162,7 +162,7 @@ class Settings:
     #: `threadline worker` serves /metrics, /healthz and /livez on this port; 0: no endpoint. A port
     #: already taken (a second supervisor on the host) is one warning and no endpoint, never a crash.
     metrics_port: int = DEFAULT_METRICS_PORT
-    #: OpenTelemetry spans per turn and stage, exported over OTLP (`workers/tracing.py`).
+    #: OpenTelemetry spans per turn and stage, exported over OTLP (`workers/telemetry/tracing.py`).
     tracing: bool = False
 
     @property

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import AgentFactory, WorkerPool, turn
+from tests.support.turns import assert_one_terminal, python_model, records, wait_for_event
 from tests.support.wait import wait_until
-from tests.workers.test_outcomes import assert_one_terminal, python_model, records, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH

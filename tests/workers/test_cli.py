@@ -26,14 +26,13 @@ import redis
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool, drop_prefix
 from threadline.pipeline import events as ev
-from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.cli import common, serve
 from threadline.workers.cli import main as cli
-from threadline.workers.clients import client as client_module
 from threadline.workers.clients.client import Client
+from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.settings import Settings
 from threadline.workers.storage.embedded import ensure_embedded
-from threadline.workers.worker import cancellation as control
 
 SETTINGS_SOURCE = ROOT / "workers" / "settings.py"
 
@@ -123,7 +122,7 @@ def test_worker_refuses_an_unknown_queue_and_zero_processes_before_starting_anyt
     typo = run("worker", "--queues", "invokes")
     assert typo.code == 2
     line = typo.one_line()
-    assert "invokes" in line and all(q in line for q in (*DEFAULT_GRAPH.names, control.CONTROL_QUEUE))
+    assert "invokes" in line and all(q in line for q in (*DEFAULT_GRAPH.names, CONTROL_QUEUE))
     for flag in ("--processes", "--threads"):
         zero = run("worker", flag, "0")
         assert zero.code == 2 and "at least 1" in zero.one_line()
@@ -223,7 +222,7 @@ def test_producer_commands_never_start_a_server_and_join_a_running_one(run: Any,
 def test_timeout_while_following_is_one_line_and_exit_124(run: Any) -> None:
     turn_id = run("submit", "--agent", "a", "--query", "hi").out.strip()
     result = run("events", turn_id, "--follow", "--timeout", "0.3")
-    assert result.code == cli.EXIT_TIMEOUT == 124
+    assert result.code == common.EXIT_TIMEOUT == 124
     line = result.one_line()
     assert "did not finish within 0.3 s" in line and f"threadline cancel {turn_id}" in line
     assert run("events", turn_id, "--follow", "--timeout", "0").code == 2
@@ -265,7 +264,7 @@ def test_output_piped_to_a_reader_that_stops_exits_quietly(redis_url: str, quiet
     proc.stdout.close()  # what `| head -1` does
     err = proc.stderr.read()
     proc.wait(timeout=15)
-    assert proc.returncode == cli.EXIT_BROKEN_PIPE == 141 and err == b""
+    assert proc.returncode == common.EXIT_BROKEN_PIPE == 141 and err == b""
 
 
 # --- a real turn through the CLI -----------------------------------------------------------------------
@@ -294,7 +293,7 @@ def test_version_and_help(run: Any) -> None:
     assert shown.code == 0 and shown.out.strip() == f"threadline {version('threadline')}"
     helped = run("--help")
     assert helped.code == 0
-    # every variable settings.py reads (and TL_AUTHOR, read by workers/agents.py)
+    # every variable settings.py reads (and TL_AUTHOR, read by workers/storage/agents.py)
     names = set(re.findall(r'"((?:TL|REDIS)_[A-Z_]+)"', SETTINGS_SOURCE.read_text())) | {"TL_AUTHOR"}
     assert len(names) > 20 and [name for name in names if name not in helped.out] == []
     for code in (2, 3, 4, 124, 130, 141):
@@ -317,18 +316,11 @@ def test_every_option_has_help_text() -> None:
 
 
 def test_urls_are_printed_with_the_password_masked() -> None:
-    assert cli.display_url("redis://:hunter22@cache:6379/0") == "redis://***@cache:6379/0"
-    assert cli.display_url("rediss://app:hunter22@cache:6380/1") == "rediss://***@cache:6380/1"
-    assert cli.display_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
-    line = cli.worker_start_line(2, "redis://:hunter22@cache:6379/0")
+    assert common.display_url("redis://:hunter22@cache:6379/0") == "redis://***@cache:6379/0"
+    assert common.display_url("rediss://app:hunter22@cache:6380/1") == "rediss://***@cache:6380/1"
+    assert common.display_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    line = serve.worker_start_line(2, "redis://:hunter22@cache:6379/0")
     assert "hunter22" not in line and line == "threadline: 2 worker processes on redis://***@cache:6379/0"
-
-
-def test_the_client_speaks_the_workers_wire_names() -> None:
-    admit = DEFAULT_GRAPH.first
-    assert (admit.queue, admit.name) == (client_module.ADMIT_QUEUE, client_module.ADMIT_ACTOR)
-    assert (client_module.CONTROL_QUEUE, client_module.CANCEL_ACTOR) == (control.CONTROL_QUEUE, control.CANCEL_ACTOR)
-    assert frozenset(TERMINAL_TYPES) == client_module.TERMINAL_EVENT_TYPES
 
 
 @pytest.mark.parametrize("module", ["threadline.workers.clients.client", "threadline.workers.cli"])

@@ -18,7 +18,7 @@ from pydantic_ai.models import override_allow_model_requests
 
 from tests.support.fake_providers import FakeProvider, ProviderName, request_tokens, text_tokens
 from threadline.pipeline.config import ModelSpec
-from threadline.workers.cli.main import describe_budget
+from threadline.workers.cli.turns import describe_budget
 from threadline.workers.worker import token_counting as counters
 from threadline.workers.worker.providers import build_counting_model
 from threadline.workers.worker.token_counting import COUNT_RETRY_S, CountUnavailable, LocalCounter, ProviderCounter

@@ -13,12 +13,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.support.dump import Dump, dump
-from tests.workers.test_scripts import LAST, MODEL, make_turn
+from tests.support.script_driver import LAST, MODEL, make_turn
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
-from threadline.workers.storage.store import DeleteResult, Store, delete_result, deletion
+from threadline.workers.storage.conversations import DeleteResult, delete_result, deletion
+from threadline.workers.storage.store import Store
 
 StoreFactory = Callable[..., Store]
 

@@ -17,9 +17,10 @@ from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.cli import common
 from threadline.workers.cli import main as cli
 from threadline.workers.clients.client import Client
-from threadline.workers.storage.store import DeleteResult
+from threadline.workers.storage.conversations import DeleteResult
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +122,7 @@ def test_busy_another_tenants_and_bad_ids_change_nothing(workers: WorkerPool, cl
     running = client.submit(turn(slow, "a long answer, " * 20, conversation_id=cid))
     wait_until(lambda: client.turn_state(running).message_id)  # accepted: its row is written
     rows, conversation = client.redis.hgetall(k.messages(cid)), client.redis.hgetall(k.conversation(cid))
-    assert delete_cli(client, monkeypatch, cid) == cli.EXIT_BUSY
+    assert delete_cli(client, monkeypatch, cid) == common.EXIT_BUSY
     assert f"turn {running} runs or waits" in capsys.readouterr().err
     # refused: the conversation as it was (the turn is still streaming its answer)
     assert client.turn_state(running).status == "running"

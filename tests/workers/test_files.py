@@ -1,4 +1,4 @@
-"""Files of earlier turns: checked in one batch of HEAD requests (`workers/files.py`), missing ones left
+"""Files of earlier turns: checked in one batch of HEAD requests (`workers/worker/files.py`), missing ones left
 out of the history and recorded, images of the newest turn sent natively to a vision model and older
 ones replayed as references — against a local file server and the strict OpenAI-compatible double."""
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import AgentFactory, WorkerPool, turn
+from tests.support.turns import assert_one_terminal, python_model, records
 from tests.support.wait import wait_until
-from tests.workers.test_outcomes import assert_one_terminal, python_model, records
 from threadline.pipeline import events as ev
 from threadline.workers.clients.client import Client
 from threadline.workers.storage.store import Store

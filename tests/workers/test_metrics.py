@@ -32,17 +32,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
 from tests.support.local_http import free_port
+from tests.support.turns import python_model, raw_message, wait_for_event
 from tests.support.wait import poll, wait_until
-from tests.workers.test_operations import raw_message
-from tests.workers.test_outcomes import python_model, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
+from threadline.workers.protocol.names import queues
 from threadline.workers.settings import DEFAULT_METRICS_PORT, Settings
 from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
-from threadline.workers.worker.actors import queues
 
 pytestmark = pytest.mark.integration
 

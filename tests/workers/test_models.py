@@ -1,4 +1,4 @@
-"""Building each provider's model from a config (`workers/models.py`): the right pydantic-ai model,
+"""Building each provider's model from a config (`workers/worker/providers.py`): the right pydantic-ai model,
 pointed at the config's `base_url`, with the key from the worker's environment and no retries of the
 SDK's own — one HTTP request per model call, whose 429/5xx/400 classifies to Threadline's codes.
 And the secrets policy where workers build models and where `agents put` registers them."""

@@ -16,13 +16,14 @@ import pytest
 import redis
 
 from tests.conftest import OwnPool, drop_prefix, own_pool, turn
+from tests.support.turns import raw_message
 from tests.support.wait import poll
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.cli import main as cli
 from threadline.workers.operations.status import Operations
 from threadline.workers.protocol.keys import Keys
-from threadline.workers.worker.actors import queues
+from threadline.workers.protocol.names import queues
 
 pytestmark = pytest.mark.integration
 
@@ -54,13 +55,6 @@ def run(env: OwnPool, redis_url: str, monkeypatch: pytest.MonkeyPatch,
         return int(exited.value.code or 0), out, err
 
     return invoke
-
-
-def raw_message(queue: str, mid: str, actor: str, args: list[Any], **fields: Any) -> bytes:
-    """A dramatiq message as the README's raw producer writes it."""
-    return json.dumps({"queue_name": queue, "actor_name": actor, "args": args, "kwargs": {},
-                       "options": {"redis_message_id": mid}, "message_id": mid,
-                       "message_timestamp": int(time.time() * 1000), **fields}).encode()
 
 
 def listed(run: Any, queue: str | None = None) -> dict[str, dict[str, Any]]:

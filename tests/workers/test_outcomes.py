@@ -17,45 +17,16 @@ import pytest
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest, ModelResponse, ToolReturnPart
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool, turn
+from tests.support.turns import all_events, assert_one_terminal, python_model, records, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id
-from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.streaming import TRUNCATED
 from threadline.workers.clients.client import Client
 
 pytestmark = pytest.mark.integration
 
 SECRET = "INSTRUCTION-MARKER-7f3a: never store me"
-
-
-def python_model(factory: str, **options: Any) -> dict[str, Any]:
-    return {"provider": "python", "name": f"tests.support.models:{factory}", "options": options}
-
-
-def records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def all_events(client: Client, turn_id: str) -> list[ev.Event]:
-    return list(client.events(turn_id))
-
-
-def wait_for_event(client: Client, turn_id: str, kind: str, timeout_s: float = 20) -> ev.Event:
-    for event in client.events(turn_id, follow=True, timeout_s=timeout_s):
-        if event.type == kind:
-            return event
-        if event.type in TERMINAL_TYPES:
-            raise AssertionError(f"turn ended before {kind}: {event}")
-    raise AssertionError(kind)
-
-
-def assert_one_terminal(client: Client, turn_id: str) -> ev.Terminal:
-    events = all_events(client, turn_id)
-    terminals = [e for e in events if isinstance(e, ev.Terminal)]
-    assert len(terminals) == 1, [e.type for e in events]
-    assert events[-1] is terminals[0]
-    return terminals[0]
 
 
 def conversation_of(terminal: ev.Terminal) -> str:

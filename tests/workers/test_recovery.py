@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import WorkerPool, turn
-from tests.workers.test_outcomes import assert_one_terminal, python_model, records, wait_for_event
+from tests.support.turns import assert_gapless, assert_one_terminal, holder_pid, python_model, records, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
@@ -22,19 +22,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FAST_RECOVERY = {"TL_STALL_S": "2", "TL_WATCHDOG_S": "0.5", "TL_INVOKE_LEASE_S": "1.5", "TL_HEARTBEAT_S": "0.3",
                  "TL_WORKER_TIMEOUT_S": "1.5"}
-
-
-def holder_pid(client: Client, turn_id: str) -> int:
-    """The pid of the worker process running the turn's stage now (its worker id is host:pid:tag)."""
-    holder = client.redis.hget(client.keys.turn(turn_id), "holder")
-    assert holder is not None, "nobody holds the turn"
-    return int(holder.decode().split(":")[-2])
-
-
-def assert_gapless(client: Client, turn_id: str) -> list[ev.Event]:
-    seen = list(client.events(turn_id))
-    assert [e.seq for e in seen] == list(range(1, len(seen) + 1))
-    return seen
 
 
 def test_a_worker_killed_mid_stream_with_default_settings_is_taken_over_within_30_s(

@@ -12,9 +12,8 @@ import pytest
 import redis
 
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
+from tests.support.turns import assert_gapless, holder_pid, python_model, records, wait_for_event
 from tests.support.wait import wait_until
-from tests.workers.test_outcomes import python_model, records, wait_for_event
-from tests.workers.test_recovery import assert_gapless, holder_pid
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, Stage, StageInput, StageOutput

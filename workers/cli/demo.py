@@ -10,7 +10,7 @@ from importlib import resources
 
 from threadline.pipeline import events
 from threadline.pipeline.config import parse_agent_config
-from threadline.workers.cli.main import connect, render_event
+from threadline.workers.cli.common import connect, render_event
 from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
 from threadline.workers.worker.process import Supervisor

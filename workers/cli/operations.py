@@ -1,5 +1,5 @@
 """`threadline status`, `threadline dead-letters list|show|replay|purge` and `threadline usage TENANT`:
-the argparse wiring and the text tables over `workers/operations.py`. An unknown dead letter is one
+the argparse wiring and the text tables over `workers/operations/status.py`. An unknown dead letter is one
 line on stderr and exit 3; a purge without `--yes` changes nothing and exits 2."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def operations(settings: Settings) -> Iterator[Operations]:
     # the CLI's rule for commands that talk to a server: REDIS_URL, else the running embedded one
     import redis
 
-    from threadline.workers.cli.main import join
+    from threadline.workers.cli.common import join
     from threadline.workers.operations.status import Operations
 
     client = redis.Redis.from_url(join(settings))
@@ -57,8 +57,8 @@ def _known_queue(queue: str | None) -> None:
     if queue is None:
         return
     from threadline.pipeline.stages import DEFAULT_GRAPH
-    from threadline.workers.cli.main import EXIT_BAD_INPUT, Exit
-    from threadline.workers.worker.actors import queues
+    from threadline.workers.cli.common import EXIT_BAD_INPUT, Exit
+    from threadline.workers.protocol.names import queues
 
     if queue not in (known := queues(DEFAULT_GRAPH)):
         raise Exit(EXIT_BAD_INPUT, f"unknown queue {queue}; the queues are {', '.join(known)}")

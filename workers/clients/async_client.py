@@ -13,26 +13,25 @@ import redis.asyncio as aioredis
 
 from threadline.pipeline.contracts import TurnRequest, new_conversation_id
 from threadline.pipeline.errors import InvalidRequest
-from threadline.workers.clients.client import (
+from threadline.pipeline.events import TERMINAL_TYPES
+from threadline.workers.clients.common import (
     ADMIT_ACTOR,
     ADMIT_QUEUE,
-    CANCEL_ACTOR,
-    CONTROL_QUEUE,
-    TERMINAL_EVENT_TYPES,
     BaseHandle,
     TurnIdTaken,
-    _setting_default,
-    _text,
     checked_request,
     owner_of,
     read_block_ms,
     resume_body,
+    setting_default,
     stream_entries,
     submit_call,
     submitted,
     turn_body,
 )
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
     from threadline.pipeline.events import Event, Terminal
     from threadline.pipeline.records import ConversationRecord, MessageRecord
     from threadline.workers.protocol.schema import TurnState
-    from threadline.workers.storage.store import DeleteResult
+    from threadline.workers.storage.conversations import DeleteResult
 
 
 class AsyncTurnHandle(BaseHandle):
@@ -84,8 +83,8 @@ class AsyncClient:
         self.url = url
         self.redis = aioredis.Redis.from_url(url)
         self.keys = Keys(prefix)
-        self.max_query_chars = max_query_chars or _setting_default("max_query_chars")
-        self.max_context_chars = max_context_chars or _setting_default("max_context_chars")
+        self.max_query_chars = max_query_chars or setting_default("max_query_chars")
+        self.max_context_chars = max_context_chars or setting_default("max_context_chars")
         self._submit = self.redis.register_script(lua.source("submit"))
         self._delete = self.redis.register_script(lua.source("delete_conversation"))
 
@@ -143,14 +142,13 @@ class AsyncClient:
         tenant, cid = await self.redis.hmget(self.keys.turn(turn_id), ["tenant_id", "conversation_id"])
         conversation_tenant = None
         if not tenant and cid:
-            conversation_tenant = await self.redis.hget(self.keys.conversation(_text(cid)), "tenant_id")
+            conversation_tenant = await self.redis.hget(self.keys.conversation(text(cid)), "tenant_id")
         return owner_of(tenant, conversation_tenant)
 
     async def cancel(self, turn_id: str, reason: str = "") -> str:
         """As `Client.cancel`: "enqueued", or "noop: <status>" for a turn that already ended."""
-        from threadline.pipeline.events import TERMINAL_TYPES
 
-        status = _text(await self.redis.hget(self.keys.turn(turn_id), "status") or "")
+        status = text(await self.redis.hget(self.keys.turn(turn_id), "status") or "")
         if status in TERMINAL_TYPES:
             return f"noop: {status}"
         await self._enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason), conversation_id=None, turn_id=None,
@@ -167,7 +165,7 @@ class AsyncClient:
             found = stream_entries(await self.redis.xread({key: after}, block=block, count=500))
             for after, event in found:
                 yield after, event
-                if event.type in TERMINAL_EVENT_TYPES:
+                if event.type in TERMINAL_TYPES:
                     return
             if not follow and not found:
                 return
@@ -210,7 +208,7 @@ class AsyncClient:
         from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
         index = self.keys.tenant_conversations(tenant_id)
-        ids = [_text(cast(bytes, c)) for c in await self.redis.zrevrange(index, offset, offset + limit - 1)]
+        ids = [text(cast(bytes, c)) for c in await self.redis.zrevrange(index, offset, offset + limit - 1)]
         found: list[ConversationRecord] = []
         for cid in ids:
             record = conversation_from_hash(cid, text_map(await self.redis.hgetall(self.keys.conversation(cid))))
@@ -239,7 +237,7 @@ class AsyncClient:
     async def conversation_decisions(self, conversation_id: str) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         async for field, value in self.redis.hscan_iter(self.keys.decisions(conversation_id), count=500):
-            turn_id, _, stage = _text(cast(bytes, field)).rpartition(":")
+            turn_id, _, stage = text(cast(bytes, field)).rpartition(":")
             out.setdefault(turn_id, {})[stage] = json.loads(value)
         return out
 
@@ -247,16 +245,22 @@ class AsyncClient:
         """As `Client.delete_conversation`."""
         from threadline.pipeline.contracts import valid_id
         from threadline.pipeline.stages import DEFAULT_GRAPH
-        from threadline.workers.storage.store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
+        from threadline.workers.storage.conversations import (
+            DELETE_ATTEMPTS,
+            DeleteResult,
+            delete_result,
+            deletion,
+            turn_of_row,
+        )
 
         if valid_id(conversation_id) is None:
             raise InvalidRequest(f"{conversation_id!r} is not a conversation id")
         for _ in range(DELETE_ATTEMPTS):
-            rows = {_text(mid): turn_of_row(row)
+            rows = {text(mid): turn_of_row(row)
                     async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
             stored = await self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
             keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
-                                 stored_tenant=_text(stored) if stored is not None else None)
+                                 stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, await self._delete(keys=keys, args=[arg]))
             if result is not None:
                 return result

@@ -8,13 +8,12 @@ cancel and resume the turn; `start` does the same after checking the request wit
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Final, Self, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -23,14 +22,30 @@ from threadline.pipeline.contracts import (
     TURN_SCHEMA,
     TurnRequest,
     new_conversation_id,
-    parse_turn_request,
     valid_id,
-    valid_turn_id,
 )
 from threadline.pipeline.errors import InvalidRequest
+from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.policy import ModelPolicy
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.clients.common import (
+    ADMIT_ACTOR,
+    ADMIT_QUEUE,
+    BaseHandle,
+    TurnIdTaken,
+    checked_request,
+    owner_of,
+    read_block_ms,
+    resume_body,
+    setting_default,
+    stream_entries,
+    submit_call,
+    submitted,
+    turn_body,
+)
 from threadline.workers.protocol.keys import Keys
-from threadline.workers.protocol.wire import build_message
+from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings, model_policy
 from threadline.workers.storage import lua
 
@@ -44,45 +59,7 @@ if TYPE_CHECKING:
     from threadline.pipeline.records import ConversationRecord, MessageRecord
     from threadline.workers.protocol.schema import TurnState
     from threadline.workers.storage.agents import AgentRegistry, AgentSummary, AgentVersions, PutResult
-    from threadline.workers.storage.store import DeleteResult
-
-#: The queue and actor producers enqueue turns to (the stage graph's admit stage) and the control
-#: queue's cancel actor: wire names the README gives raw producers. Written here, not read from
-#: `pipeline.stages` and `workers.control`, whose imports load pydantic-ai; a test holds them equal.
-ADMIT_QUEUE: Final = "resolve"
-ADMIT_ACTOR: Final = "resolve"
-CONTROL_QUEUE: Final = "control"
-CANCEL_ACTOR: Final = "cancel"
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-class TurnIdTaken(InvalidRequest):
-    """`start(..., owner=T)` of a turn id that already names a turn of another tenant (or of no tenant)."""
-
-
-class BaseHandle(str):
-    """What the sync and async turn handles share: a handle is its turn id (a `str`: code that stores
-    or prints the id keeps working) and carries its client; pickled or copied, it is just the id."""
-
-    request: TurnRequest | None
-    created: bool
-
-    def __new__(cls, turn_id: str, client: Any, *, request: TurnRequest | None = None, created: bool = True) -> Self:
-        handle = super().__new__(cls, turn_id)
-        handle.client, handle.request, handle.created = client, request, created  # type: ignore[attr-defined]
-        return handle
-
-    @property
-    def turn_id(self) -> str:
-        return str(self)
-
-    def __reduce__(self) -> tuple[type[str], tuple[str]]:
-        # the client (a connection pool) does not travel
-        return str, (str(self),)
-
+    from threadline.workers.storage.conversations import DeleteResult
 
 class TurnHandle(BaseHandle):
     """A submitted turn, to be followed, waited for, cancelled and resumed. `created` is False when
@@ -121,92 +98,6 @@ class TurnHandle(BaseHandle):
                                              turn_id=turn_id))
 
 
-def resume_body(conversation_id: str, answers: Mapping[str, Any], *, request: TurnRequest | None,
-                record: ConversationRecord | None, turn_id: str | None) -> dict[str, Any]:
-    """The request that resumes a paused turn: its scope (from its request, else its conversation)."""
-    if request is not None:
-        scope = request.model_dump(include={"tenant_id", "app_id", "user_id", "agent_id", "invoke_from", "draft_id"})
-    else:
-        if record is None:
-            raise InvalidRequest(f"conversation {conversation_id} of the paused turn no longer exists")
-        scope = {"tenant_id": record.tenant_id, "app_id": record.app_id, "user_id": record.user_id,
-                 "agent_id": record.agent_id}
-        if record.config_ref.startswith("draft:"):
-            scope |= {"invoke_from": "draft", "draft_id": record.config_ref.removeprefix("draft:")}
-    body = {**scope, "conversation_id": conversation_id, "deferred_tool_results": {"calls": dict(answers)}}
-    return body | ({"turn_id": turn_id} if turn_id else {})
-
-
-#: The terminal event types (`pipeline.events.TERMINAL_TYPES`, which imports pydantic-ai's world).
-TERMINAL_EVENT_TYPES: Final = frozenset({"succeeded", "paused", "failed", "cancelled", "timed_out"})
-
-
-def read_block_ms(turn_id: str, *, follow: bool, deadline: float | None, timeout_s: float | None) -> int | None:
-    """How long one XREAD of a turn's events may block: None (not at all) unless following; at most
-    1 s, so a deadline is noticed; `TimeoutError` once `deadline` passed."""
-    if not follow:
-        return None
-    remaining = 1.0 if deadline is None else deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError(f"turn {turn_id} did not finish in {timeout_s} s")
-    return max(1, int(min(remaining, 1.0) * 1000))
-
-
-def stream_entries(reply: Any) -> list[tuple[str, Event]]:
-    """An XREAD reply of one events stream as (entry id, typed event) pairs."""
-    from threadline.pipeline import events as ev
-
-    return [(_text(entry_id), ev.decode(fields[b"json"])) for entry_id, fields in (reply[0][1] if reply else [])]
-
-
-def submit_call(keys: Keys, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str,
-                conversation_id: str | None, turn_id: str | None, owner: str | None,
-                now_ms: int) -> tuple[str, list[str], list[str | bytes]]:
-    """The message id, KEYS and ARGV of submit.lua: what any producer writes (sync and async clients)."""
-    target, mid, data = build_message(queue, actor, args, message_id=message_id, now_ms=now_ms)
-    # only ids that name keys of their own take a place in a line (workers refuse the others)
-    register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))
-    line = keys.turn_queue(conversation_id if register and conversation_id else "-")
-    turn = keys.turn(turn_id if register and turn_id else "-")
-    argv = lua.payload(message_id=mid, turn_id=turn_id if register else "", channel=keys.doorbell_channel(),
-                       queue=target, owner=owner if register and owner else "")
-    return mid, [keys.queue_messages(target), keys.queue(target), line, turn], [argv, data]
-
-
-def submitted(reply: Any) -> tuple[bool, str]:
-    """submit.lua's reply: (enqueued, the existing turn's owner when it was not)."""
-    if isinstance(reply, list):
-        return False, _text(reply[1])
-    return True, ""
-
-
-def checked_request(request: Mapping[str, Any] | TurnRequest, *, max_query_chars: int,
-                    max_context_chars: int) -> TurnRequest:
-    """The request checked with the workers' own model and limits (`InvalidRequest` when refused);
-    a request without a turn id gets a new one."""
-    if isinstance(request, TurnRequest):
-        return request
-    return parse_turn_request({"schema": TURN_SCHEMA, **request}, fallback_turn_id=uuid.uuid4().hex,
-                              max_query_chars=max_query_chars, max_context_chars=max_context_chars)
-
-
-def turn_body(request: TurnRequest) -> dict[str, Any]:
-    """A checked request as it is enqueued (JSON, the `schema` field by its name)."""
-    return request.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-
-def owner_of(tenant: bytes | str | None, conversation_tenant: bytes | str | None) -> str | None:
-    """The tenant a turn belongs to: recorded at submission (the gateway's), else its conversation's."""
-    if tenant:
-        return _text(tenant)
-    return _text(conversation_tenant) if conversation_tenant else None
-
-
-def _setting_default(name: str) -> int:
-    """A `Settings` field's default (the workers' own when their env does not change it)."""
-    return cast(int, next(f.default for f in dataclasses.fields(Settings) if f.name == name))
-
-
 class Client:
     def __init__(self, url: str, *, prefix: str = "tl", policy: ModelPolicy | None = None,
                  max_query_chars: int | None = None, max_context_chars: int | None = None) -> None:
@@ -214,8 +105,8 @@ class Client:
         #: What `put_agent` refuses (TL_KEY_ENV_ALLOW, TL_BASE_URL_ALLOW); default: this process's env.
         self.policy = policy if policy is not None else model_policy()
         #: The limits `start` checks a request against (the workers' TL_MAX_QUERY_CHARS, TL_MAX_CONTEXT_CHARS).
-        self.max_query_chars = max_query_chars or _setting_default("max_query_chars")
-        self.max_context_chars = max_context_chars or _setting_default("max_context_chars")
+        self.max_query_chars = max_query_chars or setting_default("max_query_chars")
+        self.max_context_chars = max_context_chars or setting_default("max_context_chars")
         self.redis = redis.Redis.from_url(url)
         self.keys = Keys(prefix)
         self.namespace = f"{prefix}:q"
@@ -329,7 +220,7 @@ class Client:
         tenant, cid = self.redis.hmget(self.keys.turn(turn_id), ["tenant_id", "conversation_id"])
         conversation_tenant = None
         if not tenant and cid:
-            conversation_tenant = self.redis.hget(self.keys.conversation(_text(cid)), "tenant_id")
+            conversation_tenant = self.redis.hget(self.keys.conversation(text(cid)), "tenant_id")
         return owner_of(tenant, conversation_tenant)
 
     def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
@@ -351,10 +242,9 @@ class Client:
     def cancel(self, turn_id: str, reason: str = "") -> str:
         """Ask the control queue to cancel a turn. Returns "enqueued", or "noop: <status>" when the
         turn has already finished (cancelling a finished turn changes nothing)."""
-        from threadline.pipeline.events import TERMINAL_TYPES
 
-        # the one field read directly: `TurnState` (workers/schema.py) imports the records, and so pydantic-ai
-        status = _text(self.redis.hget(self.keys.turn(turn_id), "status") or "")
+        # the one field read directly: `TurnState` (workers/protocol/schema.py) imports the records, and so pydantic-ai
+        status = text(self.redis.hget(self.keys.turn(turn_id), "status") or "")
         if status in TERMINAL_TYPES:
             return f"noop: {status}"
         self.enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason))
@@ -368,7 +258,7 @@ class Client:
         needle = json.dumps(turn_id).encode()
         for queue in (ADMIT_QUEUE, f"{ADMIT_QUEUE}.DQ"):
             for message_id, data in self.redis.hscan_iter(self.keys.queue_messages(queue), count=500):
-                if _text(message_id) == turn_id or (needle in data and _request_turn_id(data) == turn_id):
+                if text(message_id) == turn_id or (needle in data and _request_turn_id(data) == turn_id):
                     return True
         return False
 
@@ -389,7 +279,7 @@ class Client:
             found = stream_entries(self.redis.xread({key: after}, block=block, count=500))
             for after, event in found:
                 yield after, event
-                if event.type in TERMINAL_EVENT_TYPES:
+                if event.type in TERMINAL_TYPES:
                     return
             if not follow and not found:
                 return
@@ -413,7 +303,6 @@ class Client:
 
     def decisions(self, turn_id: str, *, conversation_id: str | None = None) -> dict[str, dict[str, Any]]:
         """The decision records the turn's stages stored with its message, by stage."""
-        from threadline.pipeline.stages import DEFAULT_GRAPH
 
         cid = conversation_id or self.turn_state(turn_id).conversation_id
         if not cid:
@@ -441,7 +330,7 @@ class Client:
         from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
         index = self.keys.tenant_conversations(tenant_id)
-        ids = [_text(cast(bytes, c)) for c in self.redis.zrevrange(index, offset, offset + limit - 1)]
+        ids = [text(cast(bytes, c)) for c in self.redis.zrevrange(index, offset, offset + limit - 1)]
         pipe = self.redis.pipeline(transaction=False)
         for cid in ids:
             pipe.hgetall(self.keys.conversation(cid))
@@ -458,7 +347,7 @@ class Client:
         """Every decision record of a conversation: turn id -> stage -> record."""
         out: dict[str, dict[str, Any]] = {}
         for field, value in self.redis.hscan_iter(self.keys.decisions(conversation_id), count=500):
-            turn_id, _, stage = _text(cast(bytes, field)).rpartition(":")
+            turn_id, _, stage = text(cast(bytes, field)).rpartition(":")
             out.setdefault(turn_id, {})[stage] = json.loads(value)
         return out
 
@@ -533,9 +422,14 @@ class Client:
         every key of its turns (records, events, artifacts). "busy" while a turn of it runs or waits
         (cancel them first); "not_found" when it does not exist or `tenant_id` is not its tenant's.
         Usage counters are billing history, not conversation content: they stay."""
-        from threadline.pipeline.stages import DEFAULT_GRAPH
         from threadline.workers.protocol.schema import text
-        from threadline.workers.storage.store import DELETE_ATTEMPTS, DeleteResult, delete_result, deletion, turn_of_row
+        from threadline.workers.storage.conversations import (
+            DELETE_ATTEMPTS,
+            DeleteResult,
+            delete_result,
+            deletion,
+            turn_of_row,
+        )
 
         if valid_id(conversation_id) is None:
             raise InvalidRequest(f"{conversation_id!r} is not a conversation id")

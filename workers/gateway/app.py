@@ -1,6 +1,6 @@
 """The HTTP + SSE gateway (`threadline gateway`): thin FastAPI handlers over the clients.
 
-The tenant comes from the API key (`workers/apikeys.py`), never from a body; a turn or conversation
+The tenant comes from the API key (`workers/storage/api_keys.py`), never from a body; a turn or conversation
 of another tenant is a 404 that reads exactly like a missing one. A gateway process keeps no turn
 state (everything is in Redis), so several can run behind one load balancer. Event streams are
 Server-Sent Events whose ids are the turn stream's entry ids: `Last-Event-ID` (or `?after=`)
@@ -37,7 +37,8 @@ from threadline.pipeline.errors import AgentNotFound, ConversationNotFound, Forb
 from threadline.pipeline.history import extract_thread
 from threadline.pipeline.records import ConversationRecord
 from threadline.workers.clients.async_client import AsyncClient
-from threadline.workers.clients.client import Client, TurnIdTaken, checked_request
+from threadline.workers.clients.client import Client
+from threadline.workers.clients.common import TurnIdTaken, checked_request
 from threadline.workers.settings import Settings
 from threadline.workers.storage.agents import PutResult, parse_version
 from threadline.workers.storage.api_keys import ApiKey, key_digest, parse_key

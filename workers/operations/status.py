@@ -18,10 +18,10 @@ import redis
 from threadline.pipeline.redact import redact, redact_value
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.names import queues as graph_queues
 from threadline.workers.protocol.schema import text, text_map
+from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, MAX_JSON_DEPTH, json_too_deep
 from threadline.workers.storage import lua
-from threadline.workers.worker.actors import queues as graph_queues
-from threadline.workers.worker.broker import DEAD_LETTERS_MAXLEN, MAX_JSON_DEPTH, _json_too_deep
 
 #: Messages looked at from the head of a queue for the oldest one (a redelivered message goes to
 #: the tail, so the head is not always the oldest).
@@ -298,7 +298,7 @@ def _worker(worker_id: str, beat: bytes) -> WorkerStatus:
 
 def _decode(body: bytes) -> dict[str, Any] | None:
     """The JSON object a body holds, or None (undecodable, nested too deep, not an object)."""
-    if _json_too_deep(body, MAX_JSON_DEPTH):
+    if json_too_deep(body, MAX_JSON_DEPTH):
         return None
     try:
         value = json.loads(body)

@@ -1,4 +1,4 @@
-"""The Lua scripts behind every write that must hang together, loaded from `workers/scripts/*.lua`.
+"""The Lua scripts behind every write that must hang together, loaded from `workers/storage/scripts/*.lua`.
 
 Each script is one atomic step of a turn's state machine. Every key it touches arrives in KEYS
 (its header lists them), and its arguments are one JSON object (ARGV[1]) plus raw blobs (artifacts,
@@ -9,7 +9,7 @@ state, which is what makes a redelivered message change nothing.
 Cluster note: a script's turn keys and conversation keys sit in different hash slots today, and
 `advance`, `retry` and `finish` push to queue keys in yet another one. On Redis Cluster each would
 split into its conversation part (one hash tag) and a turn/queue part guarded by the turn's state
-transition; the README says what remains.
+transition; docs/architecture.md says what remains.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 from functools import cache
 from importlib import resources
 from typing import Any, Literal
+
+from threadline.pipeline.events import TERMINAL_TYPES
 
 ScriptName = Literal[
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
@@ -32,12 +34,18 @@ SCRIPT_NAMES: tuple[ScriptName, ...] = (
 )
 
 
+def constants() -> str:
+    """The Lua constants every script shares, generated from their one Python definition."""
+    terminal = ", ".join(f"{status}=true" for status in sorted(TERMINAL_TYPES))
+    return f"local TERMINAL = {{{terminal}}}\n"
+
+
 @cache
 def source(name: ScriptName) -> str:
-    """A script's text with the shared prelude in front."""
+    """A script's text with the generated constants and the shared prelude in front."""
     folder = resources.files("threadline.workers.storage").joinpath("scripts")
     prelude = folder.joinpath("prelude.lua").read_text()
-    return prelude + "\n" + folder.joinpath(f"{name}.lua").read_text()
+    return constants() + prelude + "\n" + folder.joinpath(f"{name}.lua").read_text()
 
 
 def payload(**fields: Any) -> str:

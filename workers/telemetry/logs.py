@@ -88,7 +88,7 @@ class ContentFreeMessages(logging.Filter):
 
 class QuietReconnects(logging.Filter):
     """Drops dramatiq's lines about a consumer that lost Redis (a `critical` per consumer per try,
-    and its "Restarting consumer" line): `broker.Reachability` tells that story once instead, and
+    and its "Restarting consumer" line): `worker/reachability.py` tells that story once instead, and
     the consumers retry with backoff."""
 
     _PREFIXES = ("Consumer encountered a connection error", "Restarting consumer in")

@@ -9,16 +9,14 @@ from typing import Any
 import dramatiq
 
 from threadline.pipeline.stages import Stage, StageGraph, StageKind
-from threadline.workers.worker.cancellation import CANCEL_ACTOR, CONTROL_QUEUE
-from threadline.workers.worker.runner import (
-    Malformed,
-    run_admit,
-    run_cancel,
-    run_compaction,
-    run_finish,
-    run_model,
-    run_transform,
-)
+from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.worker.runners.admit import run_admit
+from threadline.workers.worker.runners.cancel import run_cancel
+from threadline.workers.worker.runners.common import Malformed
+from threadline.workers.worker.runners.compaction import run_compaction
+from threadline.workers.worker.runners.finish import run_finish
+from threadline.workers.worker.runners.model import run_model
+from threadline.workers.worker.runners.transform import run_transform
 from threadline.workers.worker.runtime import Runtime, RuntimeRef
 
 Runner = Callable[[Runtime, Stage, object], Awaitable[None]]
@@ -29,11 +27,6 @@ RUNNERS: dict[StageKind, Runner] = {
     "finish": run_finish,
     "compaction": run_compaction,
 }
-
-
-def queues(graph: StageGraph) -> tuple[str, ...]:
-    """Every queue the actors of `graph` consume."""
-    return (*(s.queue for s in graph), CONTROL_QUEUE)
 
 
 def declare_actors(broker: dramatiq.Broker, graph: StageGraph, ref: RuntimeRef, *,

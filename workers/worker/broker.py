@@ -30,77 +30,15 @@ from dramatiq.common import q_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message, get_encoder
 
-from threadline.pipeline.redact import redact
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, json_too_deep
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.listener import Listener
+from threadline.workers.worker.reachability import Reachability
 
 log = structlog.get_logger(__name__)
-
-#: A failing source's first retry comes after this long, each next one after twice as long, up to the cap.
-RETRY_MIN_S = 0.5
-RETRY_MAX_S = 30.0
-#: While Redis stays unreachable, one reminder line this often.
-REMIND_S = 60.0
-
-
-class Reachability:
-    """Whether this process reaches Redis, told once: the first failure is one error line
-    (`redis_unreachable`, with the URL, its password masked), a long outage a reminder every
-    `REMIND_S`, the return one info line (`redis_reachable`). Every source that talks to Redis on
-    its own (each consumer, the listener, the watchdog, the heartbeat) reports here and waits the
-    delay it is given (exponential per source, capped at `RETRY_MAX_S`) before it tries again."""
-
-    def __init__(self, url: str) -> None:
-        self.url = redact(url)
-        self._lock = threading.Lock()
-        self._failures: dict[str, int] = {}
-        self._down_since: float | None = None
-        self._reminded = 0.0
-
-    @property
-    def up(self) -> bool:
-        with self._lock:
-            return self._down_since is None
-
-    def failed(self, source: str, error: BaseException) -> float:
-        """`source` could not reach Redis: how long it should wait before its next try."""
-        now = time.monotonic()
-        with self._lock:
-            failures = self._failures[source] = self._failures.get(source, 0) + 1
-            first = self._down_since is None
-            remind = not first and now - self._reminded >= REMIND_S
-            if first:
-                self._down_since = now
-            if first or remind:
-                self._reminded = now
-            down_s = now - (self._down_since or now)
-        delay = min(RETRY_MIN_S * 2.0 ** (failures - 1), RETRY_MAX_S)
-        if first:
-            log.error("redis_unreachable", url=self.url, error=f"{type(error).__name__}: {error}", source=source,
-                      retry_in_s=delay)
-        elif remind:
-            log.warning("redis_still_unreachable", url=self.url, down_s=round(down_s, 1), retry_in_s=delay)
-        return delay
-
-    def retry_in(self, source: str) -> float:
-        """How long `source` waits before its next try (0 when its last one went through)."""
-        with self._lock:
-            failures = self._failures.get(source, 0)
-        return min(RETRY_MIN_S * 2.0 ** (failures - 1), RETRY_MAX_S) if failures else 0.0
-
-    def ok(self, source: str) -> None:
-        """`source` reached Redis."""
-        with self._lock:
-            if not self._failures and self._down_since is None:
-                return
-            self._failures.pop(source, None)
-            down_since, self._down_since = self._down_since, None
-        if down_since is not None:
-            log.info("redis_reachable", url=self.url, down_s=round(time.monotonic() - down_since, 1), source=source)
-
 
 class DoorbellBroker(RedisBroker):
     def __init__(self, *, settings: Settings, url: str, slow_queues: frozenset[str] = frozenset(),
@@ -192,16 +130,6 @@ class DoorbellBroker(RedisBroker):
         super().close()
 
 
-#: JSON nested deeper than this is refused before it is parsed: the parser recurses, and a body
-#: nested 100,000 deep raises RecursionError. Turn requests and stage envelopes are far shallower.
-MAX_JSON_DEPTH = 64
-#: The dead-letter stream keeps about this many entries (XADD MAXLEN ~).
-DEAD_LETTERS_MAXLEN = 10_000
-
-# A JSON string; an unterminated one runs to the end of the data, so the scan never restarts inside
-# it (possessive quantifiers, no backtracking: linear on any input).
-_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.S)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 _MESSAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "queue_name": str, "actor_name": str, "args": list, "kwargs": dict, "options": dict,
@@ -220,23 +148,6 @@ class _Refused:
 
     reason: str
     actor: str = ""
-
-
-def _json_too_deep(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether `data` nests arrays/objects deeper than `limit`, counting brackets outside strings;
-    in C for the common case (few brackets), a Python loop over the brackets otherwise."""
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return False
-    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    depth = 0
-    for byte in brackets:
-        if byte in b"[{":
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
 
 
 def _safe_name(value: object) -> str:
@@ -277,7 +188,7 @@ def _encodable(text: str) -> bool:
 
 def _parse_message(data: bytes, *, queue_name: str, actors: Container[str]) -> Message[Any] | _Refused:
     """The message in a fetched body, or why it is refused; never raises."""
-    if _json_too_deep(data):
+    if json_too_deep(data):
         return _Refused("too_deep")
     try:
         fields = get_encoder().decode(data)

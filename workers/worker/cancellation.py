@@ -15,10 +15,6 @@ from threadline.workers.worker.listener import Listener
 
 log = structlog.get_logger(__name__)
 
-#: The control queue and its actor: `cancel(turn_id, reason)`.
-CONTROL_QUEUE = "control"
-CANCEL_ACTOR = "cancel"
-
 
 class CancelRegistry:
     """Tokens of the turns running in this process. `CancellationToken.cancel` is thread-safe, so

@@ -117,5 +117,5 @@ def limited_model(agent: TurnAgent, limiter: FleetLimiter | None) -> Model | Non
     """The agent's model behind `limiter`, for one run (None: no limit, the run uses the agent's own)."""
     if limiter is None:
         return None
-    assert isinstance(agent.model, Model), "agents are built with a model (workers/runtime.py)"
+    assert isinstance(agent.model, Model), "agents are built with a model (workers/worker/runtime.py)"
     return ConcurrencyLimitedModel(agent.model, limiter)

@@ -14,7 +14,7 @@ import redis
 import structlog
 
 if TYPE_CHECKING:
-    from threadline.workers.worker.broker import Reachability
+    from threadline.workers.worker.reachability import Reachability
 
 log = structlog.get_logger(__name__)
 #: The longest wait before resubscribing: the doorbell and cancels should be back soon after Redis is.

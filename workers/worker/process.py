@@ -26,17 +26,17 @@ import structlog
 from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
 
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
+from threadline.workers.protocol.names import queues as all_queues
 from threadline.workers.settings import Settings
 from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
 from threadline.workers.worker.actors import declare_actors
-from threadline.workers.worker.actors import queues as all_queues
 from threadline.workers.worker.broker import DoorbellBroker
 from threadline.workers.worker.middleware import Boot, GiveUp, Liveness, LogContext, Metrics, Tracing
 from threadline.workers.worker.runtime import RuntimeRef
 
 if TYPE_CHECKING:
-    from threadline.workers.telemetry.metrics import MetricsServer
+    from threadline.workers.operations.metrics_server import MetricsServer
 
 log = structlog.get_logger(__name__)
 
@@ -154,13 +154,13 @@ class Supervisor:
 
     def _serve_metrics(self) -> None:
         """On `TL_METRICS_PORT` (default 9464; 0: none): one endpoint for every worker process
-        (`workers/metrics.py`), which counts into the directory handed to it in its environment. A
+        (`workers/telemetry/metrics.py`), which counts into the directory handed to it in its environment. A
         port already taken (another supervisor, or `threadline demo`, on this host) costs the
         endpoint, not the workers: one warning, and the processes count in memory only."""
         settings = Settings.from_env(self.env)
         if not settings.metrics_port:
             return
-        from threadline.workers.telemetry.metrics import MetricsServer
+        from threadline.workers.operations.metrics_server import MetricsServer
 
         try:
             self.metrics = MetricsServer(port=settings.metrics_port, url=self.url, prefix=settings.prefix,

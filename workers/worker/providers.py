@@ -1,7 +1,7 @@
 """Models and tools by config, built in the shell: keys come from the worker's environment (by the
 name a config gives, never from the config), providers are constructed here, and `python:` plugins
 are imported here, where workers allow them. What the offline models answer is pure logic in
-`pipeline/models.py`; here they get their pace."""
+`pipeline/llm.py`; here they get their pace."""
 
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ def import_object(path: str) -> Any:
 
 
 def offline_model(name: str, options: Mapping[str, Any]) -> Model:
-    """Threadline's offline models: no key, deterministic answers (`pipeline/models.py`)."""
+    """Threadline's offline models: no key, deterministic answers (`pipeline/llm.py`)."""
     if name == "echo":
         return FunctionModel(echo, stream_function=echo_stream, model_name="offline:echo")
     if name == "chat":

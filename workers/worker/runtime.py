@@ -27,7 +27,8 @@ from threadline.pipeline.persist import final_row
 from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.stages import StageGraph
 from threadline.workers.settings import Settings
-from threadline.workers.storage.store import Finish, Store
+from threadline.workers.storage.store import Store
+from threadline.workers.storage.turns import Finish
 from threadline.workers.telemetry import metrics, tracing
 from threadline.workers.telemetry.logs import add_secret
 from threadline.workers.worker.cancellation import CancelRegistry

@@ -1,11 +1,11 @@
-"""Token counters for the memory budget: a local tokenizer (`workers/tokenizers.py`), or the
+"""Token counters for the memory budget: a local tokenizer (`workers/worker/tokenizers.py`), or the
 provider's own count endpoint (`model.tokenizer: provider`) with a labelled local fallback.
 
 A provider counts over HTTP: Anthropic `count_tokens`, Gemini `countTokens`, Bedrock `CountTokens`,
 through pydantic-ai's `Model.count_tokens`. What it counts is the text form of each part
 (`pipeline.tokens.as_text_exchange`): the same texts a local tokenizer counts, with the provider's
 own per-message overhead instead of 4 tokens. Each stored turn is counted once and its count cached
-with the conversation under the counter's name (`workers/store.py`), like a local count; the texts
+with the conversation under the counter's name (`workers/storage/store.py`), like a local count; the texts
 of the fixed parts (instructions, tool definitions) are kept in a small per-process cache, so a turn
 usually asks for two counts, its query and the turn before it, at the same time.
 

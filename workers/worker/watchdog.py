@@ -32,14 +32,14 @@ from dramatiq.common import dq_name
 
 from threadline.pipeline.contracts import Envelope
 from threadline.pipeline.records import MessageRecord
+from threadline.workers.protocol.names import queues
 from threadline.workers.protocol.schema import text
-from threadline.workers.storage.store import with_message_id
+from threadline.workers.storage.turns import with_message_id
 from threadline.workers.telemetry import metrics
-from threadline.workers.worker.cancellation import CONTROL_QUEUE
 from threadline.workers.worker.runtime import Runtime
 
 if TYPE_CHECKING:
-    from threadline.workers.worker.broker import Reachability
+    from threadline.workers.worker.reachability import Reachability
 
 log = structlog.get_logger(__name__)
 #: Conversations read from the activity index per round trip, and looked at per pass at most.
@@ -82,7 +82,7 @@ class Watchdog:
 
     def queues(self) -> list[str]:
         """Every queue a worker may have fetched from, delay queues included."""
-        names = [*(s.queue for s in self.rt.graph), CONTROL_QUEUE]
+        names = list(queues(self.rt.graph))
         return [q for name in names for q in (name, dq_name(name))]
 
     async def reap(self) -> int:

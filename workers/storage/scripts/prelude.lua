@@ -1,5 +1,5 @@
--- Shared by every script: workers/scripts.py puts it in front of each one.
-local TERMINAL = {succeeded=true, paused=true, failed=true, cancelled=true, timed_out=true}
+-- Shared by every script: workers/storage/lua.py puts it in front of each one, after the constants it
+-- generates from their Python definitions (TERMINAL: pipeline/events.py's TERMINAL_TYPES).
 
 -- Append an event to a turn's stream. `json` is the event without `seq` (and without `attempt`
 -- when `attempt` is given): numbering is the store's, the rest of the event is the caller's.

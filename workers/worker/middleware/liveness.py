@@ -34,7 +34,7 @@ from threadline.workers.worker.middleware.give_up import turn_id_of
 from threadline.workers.worker.runtime import Runtime, RuntimeRef
 
 if TYPE_CHECKING:
-    from threadline.workers.worker.broker import Reachability
+    from threadline.workers.worker.reachability import Reachability
 
 log = structlog.get_logger(__name__)
 

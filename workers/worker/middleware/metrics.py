@@ -1,6 +1,6 @@
 """Counts every message a worker processes: its stage's time and outcome, the stages running now,
 and the redeliveries; and says, once a second, whether the worker's consumer threads run (what the
-supervisor's `/healthz` reports). The metrics themselves are in `workers/metrics.py`."""
+supervisor's `/healthz` reports). The metrics themselves are in `workers/telemetry/metrics.py`."""
 
 from __future__ import annotations
 

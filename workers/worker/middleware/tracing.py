@@ -1,6 +1,6 @@
 """A span per stage message, child of its turn's span, current while the actor runs (so that
 pydantic-ai's model spans and the log lines' trace ids fall inside it); a no-op while tracing is
-off (`workers/tracing.py`)."""
+off (`workers/telemetry/tracing.py`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import dramatiq
 from dramatiq.middleware import Middleware
 
 from threadline.pipeline.contracts import extract_turn_id, valid_turn_id
+from threadline.workers.protocol.names import CANCEL_ACTOR
 from threadline.workers.telemetry import tracing
-from threadline.workers.worker.cancellation import CANCEL_ACTOR
 
 
 class Tracing(Middleware):

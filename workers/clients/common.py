@@ -1,0 +1,139 @@
+"""What the sync and async clients share: the wire names producers enqueue to, the turn handle's
+base, and the pure steps of submitting a turn and reading its events (one implementation, two I/O styles)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final, Self, cast
+
+from threadline.pipeline.contracts import TURN_SCHEMA, TurnRequest, parse_turn_request, valid_id, valid_turn_id
+from threadline.pipeline.errors import InvalidRequest
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.schema import text
+from threadline.workers.protocol.wire import build_message
+from threadline.workers.settings import Settings
+from threadline.workers.storage import lua
+
+if TYPE_CHECKING:
+    from threadline.pipeline.events import Event
+    from threadline.pipeline.records import ConversationRecord
+
+
+#: The queue and actor producers enqueue turns to: the stage graph's admit stage.
+ADMIT_QUEUE: Final = DEFAULT_GRAPH.first.queue
+ADMIT_ACTOR: Final = DEFAULT_GRAPH.first.name
+
+
+class TurnIdTaken(InvalidRequest):
+    """`start(..., owner=T)` of a turn id that already names a turn of another tenant (or of no tenant)."""
+
+
+class BaseHandle(str):
+    """What the sync and async turn handles share: a handle is its turn id (a `str`: code that stores
+    or prints the id keeps working) and carries its client; pickled or copied, it is just the id."""
+
+    request: TurnRequest | None
+    created: bool
+
+    def __new__(cls, turn_id: str, client: Any, *, request: TurnRequest | None = None, created: bool = True) -> Self:
+        handle = super().__new__(cls, turn_id)
+        handle.client, handle.request, handle.created = client, request, created  # type: ignore[attr-defined]
+        return handle
+
+    @property
+    def turn_id(self) -> str:
+        return str(self)
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        # the client (a connection pool) does not travel
+        return str, (str(self),)
+
+
+def resume_body(conversation_id: str, answers: Mapping[str, Any], *, request: TurnRequest | None,
+                record: ConversationRecord | None, turn_id: str | None) -> dict[str, Any]:
+    """The request that resumes a paused turn: its scope (from its request, else its conversation)."""
+    if request is not None:
+        scope = request.model_dump(include={"tenant_id", "app_id", "user_id", "agent_id", "invoke_from", "draft_id"})
+    else:
+        if record is None:
+            raise InvalidRequest(f"conversation {conversation_id} of the paused turn no longer exists")
+        scope = {"tenant_id": record.tenant_id, "app_id": record.app_id, "user_id": record.user_id,
+                 "agent_id": record.agent_id}
+        if record.config_ref.startswith("draft:"):
+            scope |= {"invoke_from": "draft", "draft_id": record.config_ref.removeprefix("draft:")}
+    body = {**scope, "conversation_id": conversation_id, "deferred_tool_results": {"calls": dict(answers)}}
+    return body | ({"turn_id": turn_id} if turn_id else {})
+
+
+
+
+def read_block_ms(turn_id: str, *, follow: bool, deadline: float | None, timeout_s: float | None) -> int | None:
+    """How long one XREAD of a turn's events may block: None (not at all) unless following; at most
+    1 s, so a deadline is noticed; `TimeoutError` once `deadline` passed."""
+    if not follow:
+        return None
+    remaining = 1.0 if deadline is None else deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"turn {turn_id} did not finish in {timeout_s} s")
+    return max(1, int(min(remaining, 1.0) * 1000))
+
+
+def stream_entries(reply: Any) -> list[tuple[str, Event]]:
+    """An XREAD reply of one events stream as (entry id, typed event) pairs."""
+    from threadline.pipeline import events as ev
+
+    return [(text(entry_id), ev.decode(fields[b"json"])) for entry_id, fields in (reply[0][1] if reply else [])]
+
+
+def submit_call(keys: Keys, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str,
+                conversation_id: str | None, turn_id: str | None, owner: str | None,
+                now_ms: int) -> tuple[str, list[str], list[str | bytes]]:
+    """The message id, KEYS and ARGV of submit.lua: what any producer writes (sync and async clients)."""
+    target, mid, data = build_message(queue, actor, args, message_id=message_id, now_ms=now_ms)
+    # only ids that name keys of their own take a place in a line (workers refuse the others)
+    register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))
+    line = keys.turn_queue(conversation_id if register and conversation_id else "-")
+    turn = keys.turn(turn_id if register and turn_id else "-")
+    argv = lua.payload(message_id=mid, turn_id=turn_id if register else "", channel=keys.doorbell_channel(),
+                       queue=target, owner=owner if register and owner else "")
+    return mid, [keys.queue_messages(target), keys.queue(target), line, turn], [argv, data]
+
+
+def submitted(reply: Any) -> tuple[bool, str]:
+    """submit.lua's reply: (enqueued, the existing turn's owner when it was not)."""
+    if isinstance(reply, list):
+        return False, text(reply[1])
+    return True, ""
+
+
+def checked_request(request: Mapping[str, Any] | TurnRequest, *, max_query_chars: int,
+                    max_context_chars: int) -> TurnRequest:
+    """The request checked with the workers' own model and limits (`InvalidRequest` when refused);
+    a request without a turn id gets a new one."""
+    if isinstance(request, TurnRequest):
+        return request
+    return parse_turn_request({"schema": TURN_SCHEMA, **request}, fallback_turn_id=uuid.uuid4().hex,
+                              max_query_chars=max_query_chars, max_context_chars=max_context_chars)
+
+
+def turn_body(request: TurnRequest) -> dict[str, Any]:
+    """A checked request as it is enqueued (JSON, the `schema` field by its name)."""
+    return request.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def owner_of(tenant: bytes | str | None, conversation_tenant: bytes | str | None) -> str | None:
+    """The tenant a turn belongs to: recorded at submission (the gateway's), else its conversation's."""
+    if tenant:
+        return text(tenant)
+    return text(conversation_tenant) if conversation_tenant else None
+
+
+def setting_default(name: str) -> int:
+    """A `Settings` field's default (the workers' own when their env does not change it)."""
+    return cast(int, next(f.default for f in dataclasses.fields(Settings) if f.name == name))
+
+

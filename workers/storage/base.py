@@ -1,0 +1,36 @@
+"""What every part of the store stands on: the async Redis connection, the settings, the stage graph,
+the keys, and the scripts registered on the connection (one call each)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Self
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+
+from threadline.pipeline.stages import StageGraph
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.settings import Settings
+from threadline.workers.storage import lua
+
+
+class StoreBase:
+    def __init__(self, client: aioredis.Redis, settings: Settings, graph: StageGraph) -> None:
+        self.redis = client
+        self.settings = settings
+        self.graph = graph
+        self.keys = Keys(settings.prefix)
+        self._scripts: dict[str, AsyncScript] = {
+            name: client.register_script(lua.source(name)) for name in lua.SCRIPT_NAMES
+        }
+
+    @classmethod
+    def connect(cls, url: str, settings: Settings, graph: StageGraph) -> Self:
+        return cls(aioredis.Redis.from_url(url, max_connections=64), settings, graph)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _run(self, name: lua.ScriptName, keys: Sequence[str], *argv: str | bytes) -> Any:
+        return await self._scripts[name](keys=list(keys), args=list(argv))

@@ -1,0 +1,295 @@
+"""Conversations as the stage runners read and write them: records, the message tree and its walk,
+cached token counts, decisions, summaries, tool-result clearing and deletion."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from redis.exceptions import WatchError
+
+from threadline.pipeline.config import AgentConfig, config_from_json
+from threadline.pipeline.errors import AgentNotFound, ConversationNotFound
+from threadline.pipeline.records import ConversationRecord, MessageRecord
+from threadline.pipeline.resolve import ConfigRef
+from threadline.pipeline.stages import StageGraph
+from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.schema import (
+    as_bytes,
+    conversation_from_hash,
+    text,
+    text_map,
+)
+from threadline.workers.storage import lua
+from threadline.workers.storage.base import StoreBase
+
+DeleteStatus = Literal["deleted", "not_found", "busy"]
+
+
+#: Reads of a conversation's rows a delete makes before it gives up on a conversation whose turns
+#: keep coming and going between its read and its script.
+DELETE_ATTEMPTS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    status: DeleteStatus
+    conversation_id: str
+    messages: int = 0
+    turns: int = 0
+    #: When busy: the turn holding the conversation, then those waiting in its line (up to 50).
+    blocking: tuple[str, ...] = ()
+
+
+ClearStatus = Literal["cleared", "busy", "gone", "changed"]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedCounts:
+    """Token counts cached for some turns, and the content version of each turn whose snapshot was
+    rewritten (absent: version 0, the snapshot as the turn stored it)."""
+
+    counts: dict[str, int]
+    versions: dict[str, int]
+
+
+def count_field(message_id: str, version: int, tokenizer: str) -> str:
+    """The field of a turn's count in the token counts hash: per tokenizer and content version (a
+    snapshot whose tool results compaction cleared is counted again, under its next version)."""
+    return f"{message_id}|{tokenizer}" if version == 0 else f"{message_id}#{version}|{tokenizer}"
+
+
+def version_field(message_id: str) -> str:
+    return f"{message_id}|version"
+
+
+def turn_of_row(row: bytes | str) -> str:
+    """The turn a stored message row belongs to."""
+    return str(json.loads(row)["turn_id"])
+
+
+def deletion(keys: Keys, graph: StageGraph, conversation_id: str, *, tenant_id: str | None,
+             rows: Mapping[str, str], stored_tenant: str | None) -> tuple[list[str], str]:
+    """KEYS and ARGV[1] of delete_conversation.lua, for the rows read (message id -> turn id) and the
+    tenant read from the conversation (whose conversation index loses it)."""
+    cid, k = conversation_id, keys
+    head = [k.conversation(cid), k.messages(cid), k.turn_queue(cid), k.lease(cid), k.waiting(cid)]
+    turns = sorted(set(rows.values()))
+    stages = [s.name for s in graph.turn_stages]
+    rest = [key for key in k.conversation_keys(cid) if key not in head]
+    owned = [key for turn_id in turns for key in k.turn_keys(turn_id, stages)]
+    index = k.tenant_conversations(stored_tenant or "-")
+    return ([*head, k.running(), k.activity(), index, *rest, *owned],
+            lua.payload(conversation_id=cid, tenant_id=tenant_id or "", messages=sorted(rows), turns=turns,
+                        stored_tenant=stored_tenant or ""))
+
+
+def delete_result(conversation_id: str, reply: Sequence[bytes | int]) -> DeleteResult | None:
+    """The script's reply; None when the rows changed since they were read (read them again)."""
+    status = text(cast(bytes, reply[0]))
+    if status == "deleted":
+        return DeleteResult("deleted", conversation_id, messages=int(reply[1]), turns=int(reply[2]))
+    if status == "busy":
+        return DeleteResult("busy", conversation_id, blocking=tuple(text(cast(bytes, t)) for t in reply[1:]))
+    if status == "not_found":
+        return DeleteResult("not_found", conversation_id)
+    return None
+
+
+class ConversationStore(StoreBase):
+    async def find_conversation(self, conversation_id: str) -> ConversationRecord | None:
+        fields = text_map(await self.redis.hgetall(self.keys.conversation(conversation_id)))
+        return conversation_from_hash(conversation_id, fields)
+
+    async def load_conversation(self, conversation_id: str) -> ConversationRecord:
+        record = await self.find_conversation(conversation_id)
+        if record is None:
+            raise ConversationNotFound(f"conversation {conversation_id!r} does not exist")
+        return record
+
+    async def message(self, conversation_id: str, message_id: str) -> MessageRecord | None:
+        row = await self.redis.hget(self.keys.messages(conversation_id), message_id)
+        return MessageRecord.model_validate_json(row) if row else None
+
+    async def has_message(self, conversation_id: str, message_id: str) -> bool:
+        return bool(await self.redis.hexists(self.keys.messages(conversation_id), message_id))
+
+    async def load_config(self, agent_id: str, ref: ConfigRef) -> tuple[AgentConfig, str]:
+        """The config a turn runs and its reference ("v<N>" or "draft:<id>")."""
+        k = self.keys
+        if ref.kind == "draft":
+            assert ref.value is not None
+            data = await self.redis.get(k.agent_draft(agent_id, ref.value))
+            if data is None:
+                raise AgentNotFound(f"agent {agent_id!r} has no draft {ref.value!r}")
+            return config_from_json(data), f"draft:{ref.value}"
+        version = ref.value
+        if ref.kind == "active":
+            active = await self.redis.hget(k.agent(agent_id), "active")
+            if active is None:
+                raise AgentNotFound(f"agent {agent_id!r} is not registered")
+            version = text(active)
+        assert version is not None
+        data = await self.redis.get(k.agent_version(agent_id, version))
+        if data is None:
+            raise AgentNotFound(f"agent {agent_id!r} has no version {version}")
+        return config_from_json(data), f"v{version}"
+
+    async def walk_back(self, conversation_id: str, from_id: str | None, *,
+                        batch: int) -> AsyncIterator[list[MessageRecord]]:
+        """Message rows from `from_id` back to the conversation's first, newest first, `batch` at first
+        and twice as many each round trip (a parent is always older than its children, so a thread
+        walked back from any message is found in these rows, in order)."""
+        if from_id is None:
+            return
+        k = self.keys
+        score = await self.redis.zscore(k.message_order(conversation_id), from_id)
+        if score is None:
+            return
+        offset = 0
+        while True:
+            raw = cast(list[bytes], await self.redis.zrevrangebyscore(
+                k.message_order(conversation_id), score, "-inf", start=offset, num=batch))
+            if not raw:
+                return
+            offset += len(raw)
+            batch = min(batch * 2, 512)  # a short walk stays short; a long one takes few round trips
+            rows = await self.redis.hmget(k.messages(conversation_id), [text(i) for i in raw])
+            yield [MessageRecord.model_validate_json(r) for r in rows if r is not None]
+
+    async def token_counts(self, conversation_id: str, message_ids: Sequence[str], tokenizer: str) -> CachedCounts:
+        """The cached counts of the turns' current content: one round trip, two for rewritten turns."""
+        if not message_ids:
+            return CachedCounts({}, {})
+        key, n = self.keys.token_counts(conversation_id), len(message_ids)
+        values = await self.redis.hmget(key, [*map(version_field, message_ids),
+                                              *(count_field(mid, 0, tokenizer) for mid in message_ids)])
+        versions = {mid: int(v) for mid, v in zip(message_ids, values[:n], strict=True) if v is not None}
+        counts = {mid: int(v) for mid, v in zip(message_ids, values[n:], strict=True)
+                  if v is not None and mid not in versions}
+        if versions:
+            later = await self.redis.hmget(key, [count_field(mid, v, tokenizer) for mid, v in versions.items()])
+            counts.update({mid: int(v) for mid, v in zip(versions, later, strict=True) if v is not None})
+        return CachedCounts(counts, versions)
+
+    async def save_token_counts(self, conversation_id: str, counts: dict[str, int], tokenizer: str, *,
+                                versions: Mapping[str, int] | None = None) -> None:
+        """`counts` of the content versions read before the snapshots were (a count saved under a
+        version a compaction has since replaced is never read)."""
+        got = versions or {}
+        await self.redis.hset(self.keys.token_counts(conversation_id),
+                              mapping={count_field(mid, got.get(mid, 0), tokenizer): n for mid, n in counts.items()})
+
+    async def clear_tool_results(self, conversation_id: str, snapshots: Mapping[str, tuple[bytes, bytes]], *,
+                                 counts: Mapping[str, int], tokenizer: str) -> ClearStatus:
+        """Replace turns' snapshots (`message id -> (stored, cleared)`), each with its content version
+        bumped and its count under the new version, in one transaction; fenced like `save_summary`,
+        and more: nothing is written while a turn of the conversation holds it ("busy"), once the
+        conversation is gone, or when a snapshot is no longer the one read ("changed")."""
+        k, ids = self.keys, list(snapshots)
+        watched = (k.conversation(conversation_id), k.lease(conversation_id), k.snapshots(conversation_id),
+                   k.token_counts(conversation_id))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(3):  # best effort, as compaction is: a later cut clears what is left
+                try:
+                    await pipe.watch(*watched)
+                    if not await pipe.exists(watched[0]):
+                        return "gone"
+                    if await pipe.hexists(watched[1], "turn"):
+                        return "busy"
+                    stored = await pipe.hmget(watched[2], ids)
+                    if [as_bytes(v) for v in stored] != [snapshots[mid][0] for mid in ids]:
+                        return "changed"
+                    versions = [int(v or 0) for v in await pipe.hmget(watched[3], [version_field(m) for m in ids])]
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    for mid, version in zip(ids, versions, strict=True):
+                        pipe.hset(watched[2], mid, snapshots[mid][1])
+                        pipe.hdel(watched[3], count_field(mid, version, tokenizer))
+                        pipe.hset(watched[3], mapping={version_field(mid): version + 1,
+                                                       count_field(mid, version + 1, tokenizer): counts[mid]})
+                    await pipe.execute()
+                    return "cleared"
+                except WatchError:
+                    continue
+        return "busy"
+
+    async def save_decision(self, conversation_id: str, message_id: str, stage: str,
+                            record: Mapping[str, Any]) -> None:
+        """A decision record of a stage that runs after the turn (compaction), while the conversation
+        exists (a delete in between must not find it written back)."""
+        conversation = self.keys.conversation(conversation_id)
+        value = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(3):
+                try:
+                    await pipe.watch(conversation)
+                    if not await pipe.exists(conversation):
+                        return
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hset(self.keys.decisions(conversation_id), f"{message_id}:{stage}", value)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
+
+    async def summaries(self, conversation_id: str, message_ids: Sequence[str]) -> dict[str, str]:
+        """Running summaries by watermark message id (`finish`-then-compaction writes them)."""
+        if not message_ids:
+            return {}
+        values = await self.redis.hmget(self.keys.summaries(conversation_id), list(message_ids))
+        return {mid: json.loads(v)["text"] for mid, v in zip(message_ids, values, strict=True) if v is not None}
+
+    async def save_summary(self, conversation_id: str, watermark: str, record: Mapping[str, Any]) -> None:
+        """Stored only while the conversation exists: compaction runs after its turn ended, so a
+        delete may come between its read and this write, and must not find the summary written back."""
+        conversation = self.keys.conversation(conversation_id)
+        value = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(3):  # best effort, as compaction is: the next turn's covers the same turns
+                try:
+                    await pipe.watch(conversation)  # a turn ending meanwhile also touches it: try again
+                    if not await pipe.exists(conversation):
+                        return
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hset(self.keys.summaries(conversation_id), watermark, value)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
+
+    async def delete_conversation(self, conversation_id: str, *, tenant_id: str | None = None) -> DeleteResult:
+        """Delete a conversation and its turns' keys, unless a turn of it runs or waits (see
+        delete_conversation.lua); `tenant_id` must be the conversation's, else it is "not_found"."""
+        for _ in range(DELETE_ATTEMPTS):
+            rows = {text(mid): turn_of_row(row)
+                    async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
+            stored = await self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
+            keys, arg = deletion(self.keys, self.graph, conversation_id, tenant_id=tenant_id, rows=rows,
+                                 stored_tenant=text(stored) if stored is not None else None)
+            result = delete_result(conversation_id, await self._run("delete_conversation", keys, arg))
+            if result is not None:
+                return result
+        return DeleteResult("busy", conversation_id)
+
+    async def decision(self, conversation_id: str, message_id: str, stage: str) -> dict[str, Any] | None:
+        """The decision record `stage` stored for a turn (`advance.lua`), or None."""
+        raw = await self.redis.hget(self.keys.decisions(conversation_id), f"{message_id}:{stage}")
+        return cast(dict[str, Any], json.loads(raw)) if raw else None
+
+    async def load_recent_messages(self, conversation_id: str, limit: int) -> list[MessageRecord]:
+        """The newest `limit` message rows of a conversation, newest first (a bounded read)."""
+        k = self.keys
+        newest = cast(list[bytes], await self.redis.zrevrange(k.message_order(conversation_id), 0, limit - 1))
+        ids = [text(i) for i in newest]
+        if not ids:
+            return []
+        rows = await self.redis.hmget(k.messages(conversation_id), ids)
+        return [MessageRecord.model_validate_json(r) for r in rows if r is not None]
+
+    async def load_snapshots(self, conversation_id: str, message_ids: Sequence[str]) -> dict[str, bytes]:
+        if not message_ids:
+            return {}
+        values = await self.redis.hmget(self.keys.snapshots(conversation_id), list(message_ids))
+        return {mid: v for mid, v in zip(message_ids, map(as_bytes, values), strict=True) if v is not None}

@@ -1,0 +1,154 @@
+"""The runner of the `admit` stage: validate the request, take the turn's place in its conversation's
+line, pin the config, check scope, accept — or refuse before anything of the conversation is written."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from dramatiq.middleware import CurrentMessage
+
+from threadline.pipeline import events
+from threadline.pipeline.contracts import (
+    Envelope,
+    TurnRequest,
+    extract_conversation_id,
+    extract_turn_id,
+    new_conversation_id,
+    parse_turn_request,
+    valid_turn_id,
+)
+from threadline.pipeline.errors import InvalidRequest, ThreadlineError
+from threadline.pipeline.persist import new_conversation, pending_row
+from threadline.pipeline.records import ConversationRecord, ResolvedTurn
+from threadline.pipeline.resolve import choose_config, resolve_turn
+from threadline.pipeline.stages import Stage
+from threadline.workers.protocol.wire import build_message
+from threadline.workers.storage.turns import WAKE_ID, Accept, Begin, Next
+from threadline.workers.telemetry import tracing
+from threadline.workers.worker.runners.common import (
+    Malformed,
+    Started,
+    finished_event,
+    stopped,
+)
+from threadline.workers.worker.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+
+async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
+    """Validate the producer's request, refuse it before anything of its conversation is touched,
+    take its place in the conversation's line, pin what it runs with, and accept it."""
+    message = CurrentMessage.get_current_message()
+    assert message is not None, "the CurrentMessage middleware is installed"
+    turn_id = extract_turn_id(request.first if isinstance(request, Malformed) else request) or valid_turn_id(
+        message.message_id)
+    if turn_id is None:
+        # no id that names a turn of its own: there is no stream to report on
+        await rt.store.dead_letter(stage.queue, message.message_id, stage.name, "invalid_turn_id")
+        log.warning("turn_refused", reason="invalid_turn_id")
+        return
+    structlog.contextvars.bind_contextvars(turn_id=turn_id)
+    try:
+        if isinstance(request, Malformed):
+            raise InvalidRequest("a turn message carries exactly one argument: the turn request")
+        req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=rt.settings.max_query_chars,
+                                 max_context_chars=rt.settings.max_context_chars)
+    except ThreadlineError as e:
+        # a producer may have put the turn in its conversation's line: take it out again
+        cid = extract_conversation_id(request) or new_conversation_id(turn_id)
+        await _refuse(rt, stage, turn_id, request, e, conversation_id=cid)
+        return
+    cid = req.conversation_id or new_conversation_id(turn_id)
+    structlog.contextvars.bind_contextvars(conversation_id=cid)
+    t0 = time.perf_counter()
+    try:
+        # validate before anything of the conversation is written: a refusal leaves it as it was
+        resolved = await _resolve(rt, req, cid, must_exist=False)
+    except ThreadlineError as e:
+        await _refuse(rt, stage, turn_id, request, e, conversation_id=cid)
+        return
+    _, _, wake = build_message(stage.queue, stage.name, (req.model_dump(mode="json", by_alias=True),),
+                               message_id=WAKE_ID, now_ms=message.message_timestamp)
+    admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake)
+    if admission == "cancelled":
+        await rt.end_turn(turn_id, "cancelled", code="cancelled", conversation_id=cid,
+                          message=f"cancelled before {stage.name}: the turn never started")
+    if admission != "admitted":
+        log.info("turn_not_admitted", admission=admission, behind=ahead)
+        return
+    begin = await rt.store.begin(turn_id, stage.name, now=rt.now(), holder=rt.worker_id)
+    if await stopped(rt, begin, turn_id, stage):
+        return
+    tracing.annotate(conversation_id=cid, attempt=begin.attempt)
+    try:
+        if resolved is None or req.conversation_id is not None:
+            # the conversation may have changed (or been created) while this turn waited
+            resolved = await _resolve(rt, req, cid, must_exist=True)
+    except ThreadlineError as e:
+        await rt.end_turn(turn_id, "failed", code=e.code, message=e.message, conversation_id=cid)
+        return
+    assert resolved is not None
+    await _accept(rt, stage, resolved, begin, t0)
+
+
+async def _refuse(rt: Runtime, stage: Stage, turn_id: str, request: object, error: ThreadlineError, *,
+                  conversation_id: str) -> None:
+    """End the turn a refused message names — unless that turn already lives on another message
+    (a producer's duplicate, or a hostile one): a waiting or running turn is ended only by its own
+    request; any other message naming it is dead-lettered and the turn left alone."""
+    state = await rt.store.turn_state(turn_id)
+    if state.status in ("waiting", "running"):
+        own = await rt.store.waiting_request(state.conversation_id, turn_id)
+        if own is None or own != request:
+            message = CurrentMessage.get_current_message()
+            await rt.store.dead_letter(stage.queue, message.message_id if message else "", stage.name,
+                                       f"refused_duplicate: {error.code}")
+            log.warning("duplicate_refused", code=error.code, turn_status=state.status)
+            return
+    await rt.end_turn(turn_id, "failed", code=error.code, message=error.message, conversation_id=conversation_id)
+
+
+async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool) -> ResolvedTurn | None:
+    """The turn pinned (config, variables, parent), or None when its conversation does not exist yet
+    and need not (its first turn may still be ahead in line)."""
+    conversation: ConversationRecord | None = None
+    if req.conversation_id is not None:
+        conversation = await rt.store.find_conversation(req.conversation_id)
+        if conversation is None:
+            if must_exist:
+                await rt.store.load_conversation(req.conversation_id)  # raises conversation_not_found
+            return None
+    config, ref = await rt.store.load_config(req.agent_id, choose_config(req, conversation))
+    parent = req.parent_message_id
+    parent_known = parent in (None, "root") or (
+        conversation is not None and await rt.store.has_message(conversation.id, str(parent)))
+    resolved, decision = resolve_turn(req, conversation=conversation, config=config, config_ref=ref,
+                                      new_conversation_id=cid, now=rt.now(), clock=time.monotonic,
+                                      parent_known=parent_known)
+    log.info("resolved", config_ref=decision.config_ref, new_conversation=decision.new_conversation,
+             missing_variables=decision.missing_variables)
+    return resolved
+
+
+async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begin, t0: float) -> None:
+    turn_id = resolved.turn_id
+    following = rt.graph.next(stage.name)
+    assert following is not None
+    s = Started(Envelope(turn_id=turn_id, stage=stage.name), begin, resolved, t0)
+    # the input guards' verdict is the stage's decision record (`threadline turn show` prints it)
+    decision = resolved.guard.record() if resolved.guard is not None else None
+    accepted = events.Accepted(turn_id=turn_id, conversation_id=resolved.conversation_id,
+                               message_id=resolved.message_id, parent_message_id=resolved.parent_message_id,
+                               config_version=resolved.config_ref)
+    # `accepted` is the first event of a turn; the admit stage's own `started` follows it
+    started = events.StageEvent(turn_id=turn_id, stage=stage.name, status="started")
+    await rt.store.advance(
+        turn_id, stage.name, next_=Next(following.name, Envelope(turn_id=turn_id, stage=following.name).model_dump(),
+                                        rt.new_id()),
+        now=rt.now(), now_ms=rt.now_ms(), artifact=resolved.model_dump_json(),
+        events_=[accepted, started, finished_event(s, stage, decision)], fence=begin.fence,
+        conversation_id=resolved.conversation_id, decision=decision,
+        accept=Accept(new_conversation(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s),
+    )

@@ -1,0 +1,37 @@
+"""The control actor's runner: `cancel(turn_id, reason)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+import structlog
+from dramatiq.middleware import CurrentMessage
+
+from threadline.pipeline.contracts import (
+    valid_turn_id,
+)
+from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.worker.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+
+async def run_cancel(rt: Runtime, turn_id: object, reason: object = "") -> None:
+    """The control actor: a durable flag, a broadcast to every process, and a waiting turn ended."""
+    tid = valid_turn_id(turn_id)
+    if tid is None or not isinstance(reason, str):  # a `Malformed` message too
+        message: dramatiq.Message[Any] | None = CurrentMessage.get_current_message()
+        mid = message.message_id if message is not None else ""
+        await rt.store.dead_letter(CONTROL_QUEUE, mid, CANCEL_ACTOR, "invalid_cancel_arguments")
+        log.warning("cancel_refused", reason="invalid_cancel_arguments")
+        return
+    structlog.contextvars.bind_contextvars(turn_id=tid)
+    outcome, status = await rt.store.cancel(tid, reason[:1000], now=rt.now())
+    rt.registry.cancel(tid)
+    if outcome == "noop":
+        log.info("cancel_noop", reason="the turn has already finished", status=status)
+    elif status == "waiting":
+        await rt.end_turn(tid, "cancelled", code="cancelled", message=reason[:1000] or "cancelled while waiting")
+    else:
+        log.info("cancel_signalled", status=status)
