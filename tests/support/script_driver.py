@@ -27,8 +27,6 @@ LAST = STAGES[-1]
 # --- fixtures and a turn driver ---------------------------------------------------------------------
 
 
-
-
 def new_id(kind: str = "t") -> str:
     return f"{kind}-{uuid.uuid4().hex[:12]}"
 

@@ -39,11 +39,13 @@ def agents_command(run: Callable[[argparse.Namespace, Client], int]) -> Callable
 
     return command
 
+
 def agents_put(args: argparse.Namespace, client: Client) -> int:
     text = read_input(args.file)
     result = client.put_agent_result(text, draft_id=args.draft, author=args.author)
     print(result.ref if result.created else f"{result.ref} (unchanged)")
     return 0
+
 
 def agents_list(args: argparse.Namespace, client: Client) -> int:
     from threadline.workers.storage import agents as agent_registry
@@ -55,12 +57,14 @@ def agents_list(args: argparse.Namespace, client: Client) -> int:
         print("\n".join(agent_registry.render_agents(summaries)) or "no agents")
     return 0
 
+
 def agents_show(args: argparse.Namespace, client: Client) -> int:
     from threadline.workers.storage import agents as agent_registry
 
     config = client.agent_config(args.agent, args.version)
     print(config.model_dump_json(indent=2) if args.json else agent_registry.config_yaml(config).rstrip("\n"))
     return 0
+
 
 def agents_versions(args: argparse.Namespace, client: Client) -> int:
     from threadline.workers.storage import agents as agent_registry
@@ -69,10 +73,12 @@ def agents_versions(args: argparse.Namespace, client: Client) -> int:
     print(json.dumps(history.as_json()) if args.json else "\n".join(agent_registry.render_versions(history)))
     return 0
 
+
 def agents_publish(args: argparse.Namespace, client: Client) -> int:
     result = client.publish_agent(args.agent, draft_id=args.draft, author=args.author)
     print(result.ref if result.created else f"{result.ref} (unchanged: the draft is the active version)")
     return 0
+
 
 def agents_rollback(args: argparse.Namespace, client: Client) -> int:
     from threadline.workers.storage import agents as agent_registry
@@ -81,12 +87,14 @@ def agents_rollback(args: argparse.Namespace, client: Client) -> int:
     print(f"{args.agent}: v{agent_registry.parse_version(args.version)} is active" + ("" if changed else " (already)"))
     return 0
 
+
 def agents_diff(args: argparse.Namespace, client: Client) -> int:
     from threadline.workers.storage import agents as agent_registry
 
     a, b = (client.registry.config(args.agent, agent_registry.parse_version(v)) for v in (args.v1, args.v2))
     print(agent_registry.diff_configs(args.agent, a, b).rstrip("\n") or "identical")
     return 0
+
 
 def add_agents_parser(sub: Any) -> None:
     """`threadline agents ...`: versions, drafts, publish, rollback (`workers/storage/agents.py`)."""

@@ -50,6 +50,7 @@ EXIT_CODES = (
     (EXIT_BROKEN_PIPE, "the reader of the output went away (`| head`)"),
 )
 
+
 class Exit(Exception):
     """A failure the user can act on: `message` is printed as one line on stderr, `code` is the exit code."""
 
@@ -58,9 +59,11 @@ class Exit(Exception):
         self.code = code
         self.message = message
 
+
 def display_url(url: str) -> str:
     """A server URL fit to print: its user and password masked."""
     return redact(url)
+
 
 def join(settings: Settings) -> str:
     """The server of a command that only talks to one: REDIS_URL, else the embedded server a running
@@ -74,8 +77,10 @@ def join(settings: Settings) -> str:
                                      "REDIS_URL")
     return server.url
 
+
 def producer(settings: Settings) -> Client:
     return Client(join(settings), prefix=settings.prefix, policy=settings.policy)
+
 
 def connect(settings: Settings) -> tuple[str, EmbeddedServer | None]:
     """For `worker` and `demo`: REDIS_URL when set, else the embedded server of this data dir (joined,
@@ -84,6 +89,7 @@ def connect(settings: Settings) -> tuple[str, EmbeddedServer | None]:
         return settings.redis_url, None
     server = ensure_embedded(settings.data_dir)
     return server.url, server
+
 
 def render_event(event: Event, *, as_json: bool) -> str | None:
     """One event for the terminal: JSON lines, or text deltas inline and the rest as notes."""
@@ -101,6 +107,7 @@ def render_event(event: Event, *, as_json: bool) -> str | None:
         return f"\n[{event.type}] {event.usage.model_dump_json()}\n"
     fields = event.model_dump(mode="json", exclude={"type", "turn_id", "seq"})
     return f"\n[{event.type}] " + json.dumps(fields) + "\n"
+
 
 def follow(client: Client, turn_id: str, *, as_json: bool, live: bool, timeout_s: float | None = None) -> int:
     """Print the turn's events; exit 0 when it succeeded or paused (or has not ended), 1 otherwise.
@@ -125,9 +132,11 @@ def follow(client: Client, turn_id: str, *, as_json: bool, live: bool, timeout_s
                                  f"it with `threadline cancel {turn_id}`)") from None
     return 0 if status in ("succeeded", "paused", "unknown") else EXIT_TURN_FAILED
 
+
 def still_running(turn_id: str) -> Exit:
     return Exit(EXIT_INTERRUPTED, f"interrupted; turn {turn_id} keeps running (cancel it with "
                                   f"`threadline cancel {turn_id}`)")
+
 
 def read_input(name: str) -> str:
     """A file's text, or stdin's for "-"; one that cannot be read is bad input."""
@@ -135,6 +144,7 @@ def read_input(name: str) -> str:
         return sys.stdin.read() if name == "-" else Path(name).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise Exit(EXIT_BAD_INPUT, f"cannot read {name}: {getattr(e, 'strerror', None) or e}") from None
+
 
 def at_least_one(text: str) -> int:
     try:
@@ -145,6 +155,7 @@ def at_least_one(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
 
+
 def seconds(text: str) -> float:
     try:
         value = float(text)
@@ -153,6 +164,7 @@ def seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
     return value
+
 
 def fail(code: int, message: str) -> int:
     print(f"threadline: {message}", file=sys.stderr)

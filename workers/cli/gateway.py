@@ -38,6 +38,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     uvicorn.run(create_app(settings, url, console_dir=console), host=args.host, port=args.port, log_level="warning")
     return 0
 
+
 def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
     from threadline.workers.storage.api_keys import create_key
 
@@ -47,6 +48,7 @@ def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         client.close()
     return 0
+
 
 def add_gateway_parsers(sub: Any) -> None:
     """`threadline gateway` and `threadline keys create TENANT`."""

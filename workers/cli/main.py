@@ -60,6 +60,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
+
 class ShowVersion(argparse.Action):
     """`--version`: the installed package's version, looked up only when asked."""
 
@@ -74,11 +75,13 @@ class ShowVersion(argparse.Action):
         print(f"threadline {version('threadline')}")
         parser.exit()
 
+
 def epilog() -> str:
     width = max(len(name) for name, _ in ENVIRONMENT)
     env = "\n".join(f"  {name.ljust(width)}  {meaning}" for name, meaning in ENVIRONMENT)
     codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
     return f"environment variables:\n{env}\n\nexit codes:\n{codes}"
+
 
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="threadline", description="LLM agent turns as a pipeline of queue workers.", epilog=epilog(),
@@ -140,8 +143,10 @@ def parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_turn_show)
     return p
 
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     raise SystemExit(run(argv))
+
 
 def run(argv: Sequence[str] | None = None) -> int:
     """The command's exit code; every failure is one line on stderr, never a traceback (but with
@@ -165,6 +170,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         return fail(EXIT_TURN_FAILED, f"unexpected error: {type(e).__name__}: {redact(str(e))}")
 
+
 def _run(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -172,6 +178,7 @@ def _run(argv: Sequence[str] | None) -> int:
     except ValueError as e:
         raise Exit(EXIT_BAD_INPUT, str(e)) from None
     return int(args.func(args, settings))
+
 
 def _discard_stdout() -> None:
     """The reader of our output went away (`threadline events ID | head`): point stdout at devnull so

@@ -20,6 +20,7 @@ from threadline.workers.cli.common import EXIT_BAD_INPUT, Exit, connect, display
 def worker_start_line(processes: int, url: str) -> str:
     return f"threadline: {processes} worker processes on {display_url(url)}"
 
+
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from threadline.pipeline.stages import DEFAULT_GRAPH
     from threadline.workers.protocol.names import queues
@@ -47,6 +48,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
         if server is not None:
             server.stop()
     return 0
+
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from threadline.workers.cli.demo import run_demo

@@ -45,6 +45,7 @@ def _request_from_args(args: argparse.Namespace) -> dict[str, Any]:
         request.setdefault(name, default)
     return request
 
+
 def check_request(request: dict[str, Any], settings: Settings) -> None:
     """Refuse here what the workers would refuse (the same model, this process's limits), so a bad
     request is exit 2 now rather than a `failed` event later."""
@@ -54,6 +55,7 @@ def check_request(request: dict[str, Any], settings: Settings) -> None:
     except ThreadlineError as e:
         raise Exit(EXIT_BAD_INPUT, e.message if e.message.startswith("invalid turn request")
                    else f"invalid turn request: {e.message}") from None
+
 
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     request = _request_from_args(args)
@@ -70,6 +72,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     except KeyboardInterrupt:  # between the line above and `follow`'s own handler
         raise still_running(turn_id) from None
 
+
 def existing_turn(client: Client, turn_id: str, settings: Settings) -> str:
     if valid_turn_id(turn_id) is None:
         raise Exit(EXIT_BAD_INPUT, f"{turn_id!r} is not a turn id")
@@ -78,10 +81,12 @@ def existing_turn(client: Client, turn_id: str, settings: Settings) -> str:
                                    f"prefix {settings.prefix})")
     return turn_id
 
+
 def cmd_events(args: argparse.Namespace, settings: Settings) -> int:
     client = producer(settings)
     turn_id = existing_turn(client, args.turn_id, settings)
     return follow(client, turn_id, as_json=args.json, live=args.follow, timeout_s=args.timeout)
+
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     client = producer(settings)
@@ -91,6 +96,7 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     print(f"cancel {turn_id}: {result}")
     return 0
 
+
 def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
     client = producer(settings)
     if client.conversation(args.conversation_id) is None:
@@ -98,6 +104,7 @@ def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
     for message in client.thread(args.conversation_id):
         print(f"[{message.status}] user: {message.query}\n            assistant: {message.answer}")
     return 0
+
 
 def cmd_turn_show(args: argparse.Namespace, settings: Settings) -> int:
     """What a turn decided at each stage: the budget, the turns kept and dropped, the tokenizer."""
@@ -120,6 +127,7 @@ def cmd_turn_show(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(decision, indent=2))
     return 0
 
+
 def describe_budget(decision: dict[str, Any]) -> str:
     """One paragraph on why the model saw the history it saw."""
     b, w = decision["budget"], decision["window"]
@@ -129,6 +137,7 @@ def describe_budget(decision: dict[str, Any]) -> str:
             f"{w['dropped_turns']} ({w['dropped_tokens']} tokens): {w['reason']}; counted with "
             f"{decision['tokenizer']}"
             + (f" (instead of {decision['tokenizer_fallback']})" if decision.get("tokenizer_fallback") else ""))
+
 
 def delete_when_idle(client: Client, conversation_id: str, *, tenant_id: str | None, cancel: bool,
                      timeout_s: float) -> DeleteResult:
@@ -144,6 +153,7 @@ def delete_when_idle(client: Client, conversation_id: str, *, tenant_id: str | N
             client.cancel(turn_id, "the conversation is being deleted")
             cancelled.add(turn_id)
         time.sleep(0.1)
+
 
 def cmd_conversations_delete(args: argparse.Namespace, settings: Settings) -> int:
     """Exit 0 deleted, 2 not an id, 3 not found (or another tenant's), 5 busy."""
@@ -166,6 +176,7 @@ def cmd_conversations_delete(args: argparse.Namespace, settings: Settings) -> in
     print(f"threadline: conversation {cid} is busy{running}: cancel its turns first, or pass --cancel",
           file=sys.stderr)
     return EXIT_BUSY
+
 
 def add_conversations_parser(sub: Any) -> None:
     """`threadline conversations delete ID`."""

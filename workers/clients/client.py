@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
-from threadline.pipeline.config import AgentConfig, parse_agent_config
 from threadline.pipeline.contracts import (
     TURN_SCHEMA,
     TurnRequest,
@@ -49,12 +48,13 @@ from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings, model_policy
 from threadline.workers.storage import lua
 
-# What imports pydantic-ai (the records, history, stage graph, agent registry, store) is imported
-# inside the methods that need it: submitting or cancelling a turn must not pay its ~0.5 s. So are
-# the event models, which only reading events needs.
+# What imports pydantic-ai or builds many pydantic models (agent configs, records, history, the agent
+# registry, the store) is imported inside the methods that need it: submitting or cancelling a turn,
+# and the read-only commands, must not pay for it (`bench/cli.py`).
 if TYPE_CHECKING:
     from pydantic_ai.messages import ModelMessage
 
+    from threadline.pipeline.config import AgentConfig
     from threadline.pipeline.events import Event, Terminal
     from threadline.pipeline.records import ConversationRecord, MessageRecord
     from threadline.workers.protocol.schema import TurnState
@@ -148,6 +148,7 @@ class Client:
     def put_agent_result(self, config: AgentConfig | str | bytes, *, draft_id: str | None = None,
                          author: str | None = None) -> PutResult:
         """`put_agent`, telling whether a version was created."""
+        from threadline.pipeline.config import AgentConfig, parse_agent_config
         from threadline.workers.storage.agents import default_author
 
         if not isinstance(config, AgentConfig):
@@ -381,9 +382,10 @@ class Client:
         """Import a conversation made elsewhere (a migration): each turn is (query, answer, and the
         pydantic-ai messages it added, or None for a text-only message). The conversation is
         pinned to the agent's active version. Returns the id of the last message (the tip)."""
+        from threadline.pipeline.config import AgentConfig
         from threadline.pipeline.history import encode_messages
         from threadline.pipeline.records import ConversationRecord, MessageRecord
-        from threadline.workers.protocol.schema import conversation_to_hash, text
+        from threadline.workers.protocol.schema import conversation_to_hash
 
         active = self.redis.hget(self.keys.agent(agent_id), "active")
         stored = self.redis.get(self.keys.agent_version(agent_id, text(active))) if active is not None else None

@@ -69,8 +69,6 @@ def resume_body(conversation_id: str, answers: Mapping[str, Any], *, request: Tu
     return body | ({"turn_id": turn_id} if turn_id else {})
 
 
-
-
 def read_block_ms(turn_id: str, *, follow: bool, deadline: float | None, timeout_s: float | None) -> int | None:
     """How long one XREAD of a turn's events may block: None (not at all) unless following; at most
     1 s, so a deadline is noticed; `TimeoutError` once `deadline` passed."""

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from threadline.pipeline.records import ConversationRecord
+# the record types load pydantic-ai's message types: what reads only bytes (the producers' commands)
+# must not pay for them
+if TYPE_CHECKING:
+    from threadline.pipeline.records import ConversationRecord
 
 
 def text(value: bytes | str) -> str:
@@ -47,6 +51,8 @@ def conversation_from_hash(conversation_id: str, data: Mapping[str, str]) -> Con
     """A conversation record from its stored hash fields; None when it does not exist."""
     if "config_ref" not in data:
         return None
+    from threadline.pipeline.records import ConversationRecord
+
     return ConversationRecord(
         id=conversation_id,
         tenant_id=data["tenant_id"],
