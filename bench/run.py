@@ -47,7 +47,7 @@ from .stats import Cost, CostMeter, IdleLoad, Summary, measure_idle_load, percen
 from .systems import BareSystem, Batch, Saturation, ThreadlineSystem, TurnTiming, summary_line
 
 CHAT_MODEL: dict[str, Any] = {"provider": "offline", "name": "chat", "options": {"delay_ms": 0}}
-#: The README's default pace of offline:chat: a word every 35 ms, as a real model streams.
+#: The demo's default pace of offline:chat: a word every 35 ms, as a real model streams.
 SLOW_CHAT_MODEL: dict[str, Any] = {"provider": "offline", "name": "chat", "options": {"delay_ms": 35}}
 
 PHASES = ("idle", "latency", "ttft", "throughput")

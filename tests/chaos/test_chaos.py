@@ -3,7 +3,7 @@ model while five of them are SIGKILLed at random moments (each replaced at once)
 Redis-protocol server restarts once. Afterwards every turn has exactly one terminal event, every
 thread holds its turns once and in submission order, no message row is duplicated, usage is counted
 once per turn, every conversation's next turn succeeds, and no turn running at the restart waits out
-the stall time (`TL_STALL_S`). It prints the figures the README quotes.
+the stall time (`TL_STALL_S`). It prints the figures docs/reliability.md quotes.
 
 Not part of the default test command (`-m "not chaos"` in pytest's addopts); `.ci/run` runs it alone:
 `.venv/bin/python -m pytest -m chaos -n 0 -p no:randomly tests/chaos`. `CHAOS_SEED` replays a run's

@@ -1,7 +1,7 @@
 """Hostile input on a queue: each poison message is dead-lettered with a stable reason, leaves nothing
 behind in the queue's hash or any ack set, and the normal turns fetched in the same batch finish.
 
-Every case is written with raw Redis commands, as the README's raw-producer section does, in one
+Every case is written with raw Redis commands, as docs/protocol.md's raw-producer section does, in one
 MULTI together with five normal turns, so that the bad message and the good ones share a fetch."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ow
 
 
 def message(mid: str, actor: str = "resolve", **fields: Any) -> dict[str, Any]:
-    """A dramatiq message on the resolve queue, as the README's raw producer writes it."""
+    """A dramatiq message on the resolve queue, as docs/protocol.md's raw producer writes it."""
     return {
         "queue_name": "resolve", "actor_name": actor, "args": [], "kwargs": {},
         "options": {"redis_message_id": mid}, "message_id": mid, "message_timestamp": int(time.time() * 1000),

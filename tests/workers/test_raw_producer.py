@@ -1,5 +1,5 @@
-"""The README's raw-Redis producer commands, run as written with `redis-cli`, enqueue a turn that
-completes: any program that speaks Redis can be a producer."""
+"""The raw-Redis producer commands of docs/protocol.md, run as written with `redis-cli`, enqueue a turn
+that completes: any program that speaks Redis can be a producer."""
 
 from __future__ import annotations
 
@@ -19,10 +19,14 @@ from threadline.workers.protocol.wire import build_message
 pytestmark = pytest.mark.integration
 
 
+PROTOCOL_DOC = ROOT / "docs" / "protocol.md"
+
+
 def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
+    """The raw-producer block of docs/protocol.md (between its `raw-producer` markers)."""
+    text = PROTOCOL_DOC.read_text()
     match = re.search(r"<!-- raw-producer:start -->\s*```sh\n(.*?)```\s*<!-- raw-producer:end -->", text, re.S)
-    assert match, "README has no raw-producer block"
+    assert match, "docs/protocol.md has no raw-producer block"
     return match.group(1)
 
 
@@ -43,7 +47,7 @@ def test_readme_redis_cli_commands_enqueue_a_turn_that_succeeds(
 
 @pytest.mark.parametrize("delay_ms", [None, 250])
 def test_the_producers_message_is_the_one_dramatiq_writes(delay_ms: int | None) -> None:
-    """`workers/wire.py` builds messages without importing dramatiq (fast producer commands): the
+    """`workers/protocol/wire.py` builds messages without importing dramatiq (fast producer commands): the
     bytes must be exactly what dramatiq's broker would store."""
     queue, mid, data = build_message("resolve", "resolve", ({"query": "héllo", "n": [1, 2]},), message_id="m-1",
                                      now_ms=1_700_000_000_000, delay_ms=delay_ms)
