@@ -266,7 +266,7 @@ async def _resolve(rt: Runtime, agent_id: str, cid: str, query: str) -> Resolved
     conversation = await rt.store.load_conversation(cid)
     config, ref = await rt.store.load_config(agent_id, choose_config(request, conversation))
     resolved, _ = resolve_turn(request, conversation=conversation, config=config, config_ref=ref,
-                               new_conversation_id=cid, now=time.time(), clock=time.monotonic)
+                               new_conversation_id=cid, now=time.time())
     return resolved
 
 

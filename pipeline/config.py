@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Protocol, cast
 from urllib.parse import parse_qsl, urlsplit
 
-import regex
+import re2
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -142,7 +145,7 @@ class ModelSpec(_Doc):
     #: The tokenizer the history budget counts with: `tiktoken:cl100k_base`, `tiktoken:o200k_base`,
     #: `hf:<path to tokenizer.json>`, `chars/4`, or `provider` (the provider's own count endpoint, for
     #: the providers in `COUNTING_PROVIDERS`); None: the provider's default (`provider` for those in
-    #: `COUNTED_BY_DEFAULT`, else by `workers/tokenizers.py`).
+    #: `COUNTED_BY_DEFAULT`, else by `workers/worker/tokenizers.py`).
     tokenizer: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     #: Offline and test models only: options passed to the model factory.
     options: dict[str, Any] = Field(default_factory=dict)
@@ -201,6 +204,66 @@ class CompactionSpec(_Doc):
     summariser: ModelSpec
 
 
+# --- long-term memory (`pipeline/memory.py` and its neighbours) ---------------------------------------
+
+ScopeKind = Literal["user", "app", "agent"]
+Order = Literal["recall_first", "history_first"]
+OFFLINE_EXTRACTOR = "offline:facts"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimits:
+    """What consolidation refuses past: current records per partition, characters per value."""
+
+    max_records: int = 1000
+    max_value_chars: int = 500
+
+
+class LongTermSpec(BaseModel):
+    """`memory.long_term` of an agent config: remember facts and notes about each user across
+    conversations (absent: off).
+
+    `order` says who gives way when the history budget is short. `recall_first` (the default) takes
+    the whole `recall_tokens` share off the history budget before the history stage chooses its turns:
+    the records are small and a user's name or allergy is usually worth more than the oldest kept
+    turn, and because the share is reserved whether or not it is used, the history budget stays the
+    same from turn to turn (the kept window's start, and the provider's cached prefix, stay stable).
+    `history_first` keeps the turns first and gives recall what they left, up to `recall_tokens`.
+
+    Values longer than `max_value_chars` are refused, not cut: a cut value is a different value, and a
+    cut fact would supersede the right one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    #: The model that proposes operations after a turn: `offline:facts` (deterministic rules), or any
+    #: model spec, run with `extraction.ExtractionOutput` as its output type.
+    extractor: ModelSpec = Field(default=OFFLINE_EXTRACTOR, validate_default=True)
+    #: A pydantic-ai `Embedder` model name (`openai:text-embedding-3-small`); None: notes are ranked by
+    #: BM25 over their words.
+    embedder: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+:\S+$", max_length=256)] | None = None
+    #: Whose memory a turn reads and writes: `user` (tenant, user), `app` (tenant, user, app) or
+    #: `agent` (tenant, user, agent). Always taken from the turn, never from a model's output.
+    scope: ScopeKind = "user"
+    #: The share of the history budget the recalled block may use, in the agent's tokens.
+    recall_tokens: Annotated[int, Field(ge=0, le=32768)] = 512
+    max_notes_recalled: Annotated[int, Field(ge=0, le=100)] = 8
+    #: Current records per partition; adds past it are refused (`limit` in the decision record).
+    max_records: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    max_value_chars: Annotated[int, Field(ge=1, le=10_000)] = 500
+    #: Closed (superseded or invalidated) records kept per partition for the history view, newest first.
+    max_history: Annotated[int, Field(ge=0, le=100_000)] = 200
+    order: Order = "recall_first"
+
+    @property
+    def limits(self) -> MemoryLimits:
+        return MemoryLimits(max_records=self.max_records, max_value_chars=self.max_value_chars)
+
+    @property
+    def extractor_name(self) -> str:
+        """`provider:name` of the extractor, as provenance records it."""
+        return f"{self.extractor.provider}:{self.extractor.name}"
+
+
 class MemorySpec(_Doc):
     message_limit: Annotated[int, Field(gt=0, le=10000)] = 500
     safety_margin_tokens: Annotated[int, Field(ge=0)] = 256
@@ -209,6 +272,8 @@ class MemorySpec(_Doc):
     low_water: Annotated[float, Field(gt=0, le=1)] = 0.7
     #: None: no compaction.
     compaction: CompactionSpec | None = None
+    #: Long-term memory across conversations (`LongTermSpec`, `pipeline/memory.py`); None: off.
+    long_term: LongTermSpec | None = None
 
 
 #: Guard rules run on every query and answer: their number and size are bounded (the texts they see
@@ -218,13 +283,81 @@ MAX_GUARD_PATTERNS = 32
 MAX_PATTERN_CHARS = 256
 MAX_ANNOTATIONS = 1000
 GuardKeyword = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=100)]
-GuardPattern = Annotated[str, Field(min_length=1, max_length=MAX_PATTERN_CHARS)]
 
 
-def compile_pattern(pattern: str) -> regex.Pattern[str]:
-    """A guard pattern as it is searched (`pipeline/guards.py`): case-insensitive, Python `re` syntax
-    (the `regex` engine's version 0), on an engine whose searches take a timeout."""
-    return regex.compile(pattern, regex.IGNORECASE | regex.V0)
+class CompiledPattern(Protocol):
+    """What `pipeline.guards` asks of a compiled RE2 pattern (google-re2 ships no type stubs)."""
+
+    def search(self, text: str | bytes) -> object | None: ...
+
+
+def _re2_options() -> Any:
+    options = re2.Options()
+    options.case_sensitive = False
+    options.never_capture = True  # a guard only asks whether a sentence matches, never for groups
+    options.log_errors = False  # the refusal says why; RE2 need not print it to stderr as well
+    return options
+
+
+_RE2_OPTIONS = _re2_options()
+
+
+def compile_pattern(pattern: str) -> CompiledPattern:
+    """A guard pattern as `pipeline/guards.py` searches it: on RE2, whose searches take time linear
+    in the text whatever the pattern (no backtracking, so no time budget), case-insensitive, in
+    multi-line mode so that `$` also matches before the line break that ends a sentence, as Python's
+    `$` does before a final line break. Raises `re2.error` for a pattern RE2 cannot run."""
+    return cast(CompiledPattern, re2.compile("(?m)" + pattern, _RE2_OPTIONS))
+
+
+def _re2_reason(pattern: str) -> str:
+    """RE2's reason for refusing `pattern` (compiled without the `(?m)` prefix, which it would quote)."""
+    for candidate in (pattern, "(?m)" + pattern):
+        try:
+            re2.compile(candidate, _RE2_OPTIONS)
+        except re2.error as e:
+            reason = e.args[0] if e.args else ""
+            return reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
+    return "refused"
+
+
+def _python_compiles(pattern: str) -> bool:
+    with warnings.catch_warnings(action="ignore"):  # e.g. FutureWarning "possible nested set"
+        try:
+            re.compile(pattern)
+        except (re.error, OverflowError, RecursionError):
+            return False
+    return True
+
+
+#: RE2's refusals of patterns that are valid elsewhere, by the start of its reason: what to say.
+_RE2_LIMITS = (
+    ("pattern too large", "its compiled program is larger than RE2 allows"),
+    ("invalid repetition size", "it repeats at most 1000 times, nested counts multiplied"),
+    ("invalid escape sequence: \\Z", "it spells the end of the text \\z"),
+)
+
+
+def _runnable_pattern(pattern: str) -> str:
+    """A guard pattern RE2 runs that does not match the empty text; refused with RE2's reason."""
+    try:
+        compiled = compile_pattern(pattern)
+    except re2.error:
+        reason = _re2_reason(pattern)
+        why = next((why for start, why in _RE2_LIMITS if reason.startswith(start)), None)
+        if why is None:
+            if not _python_compiles(pattern):
+                raise PydanticCustomError("guard_pattern_invalid", "not a valid regular expression: {reason}",
+                                          {"reason": reason}) from None
+            why = "it supports no backreferences or lookarounds"
+        raise PydanticCustomError("guard_pattern_not_re2", "RE2 cannot run this pattern ({why}): {reason}",
+                                  {"why": why, "reason": reason}) from None
+    if compiled.search(b"") is not None:
+        raise PydanticCustomError("guard_pattern_empty", "matches the empty text: it would refuse everything")
+    return pattern
+
+
+GuardPattern = Annotated[str, Field(min_length=1, max_length=MAX_PATTERN_CHARS), AfterValidator(_runnable_pattern)]
 
 
 class GuardRules(_Doc):
@@ -234,21 +367,10 @@ class GuardRules(_Doc):
     #: anywhere (for scripts written without spaces, e.g. Chinese).
     keywords: Annotated[tuple[GuardKeyword, ...], Field(max_length=MAX_GUARD_KEYWORDS)] = ()
     match: Literal["word", "substring"] = "word"
-    #: Python regular expressions, case-insensitive, each matched within one sentence.
+    #: Regular expressions in RE2's syntax (Python's, without backreferences and lookarounds),
+    #: case-insensitive, each matched within one sentence; refused when RE2 cannot run one.
     patterns: Annotated[tuple[GuardPattern, ...], Field(max_length=MAX_GUARD_PATTERNS)] = ()
     reply: Annotated[str, Field(min_length=1, max_length=4000)] = "Sorry, I can't help with that."
-
-    @field_validator("patterns")
-    @classmethod
-    def _compiled(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for i, pattern in enumerate(value):
-            try:
-                compiled = compile_pattern(pattern)
-            except regex.error as e:
-                raise ValueError(f"patterns[{i}] is not a valid regular expression: {e}") from None
-            if compiled.search("", timeout=1.0) is not None:
-                raise ValueError(f"patterns[{i}] matches the empty text: it would refuse everything")
-        return value
 
     @property
     def active(self) -> bool:
@@ -329,10 +451,16 @@ def parse_agent_config(text: str | bytes) -> AgentConfig:
     try:
         return AgentConfig.model_validate(data)
     except ValidationError as e:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()[:5]
-        )
+        details = "; ".join(f"{_place(err['loc'])}: {err['msg']}" for err in e.errors()[:5])
         raise InvalidRequest(f"invalid agent config: {details}") from None
+
+
+def _place(loc: tuple[int | str, ...]) -> str:
+    """A validation error's place as a config path: `guards.output.patterns[1]`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+    return out or "config"
 
 
 def config_to_json(config: AgentConfig) -> str:

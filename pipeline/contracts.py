@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -19,6 +20,15 @@ Id = Annotated[str, Field(min_length=1, max_length=128, pattern=ID_PATTERN)]
 TurnId = Annotated[str, Field(min_length=1, max_length=120, pattern=ID_PATTERN)]
 _ID: TypeAdapter[str] = TypeAdapter(Id)
 _TURN_ID: TypeAdapter[str] = TypeAdapter(TurnId)
+
+#: How deeply a turn request may nest objects and arrays. Deeper text is refused before it is parsed
+#: (a parser recurses once per level), a deeper object before it is walked.
+MAX_JSON_DEPTH = 32
+#: The most files a request may carry whatever `TL_MAX_FILES` says (the schema's bound).
+MAX_FILES_CEILING = 256
+# a JSON string (escapes included), and every byte that is no bracket
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NO_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def new_conversation_id(turn_id: str) -> str:
@@ -50,7 +60,7 @@ class _Wire(BaseModel):
 class FileRef(_Wire):
     type: Literal["image", "document", "audio", "video", "file"] = "file"
     url: Annotated[str, Field(min_length=1, max_length=4096)]
-    mime: str | None = None
+    mime: Annotated[str, Field(max_length=255)] | None = None
 
 
 class DeferredAnswers(_Wire):
@@ -72,7 +82,7 @@ class TurnRequest(_Wire):
     #: None: continue from the tip; an id: branch from that message; "root": a new root.
     parent_message_id: Id | None = None
     query: str = ""
-    files: list[FileRef] = Field(default_factory=list, max_length=32)
+    files: list[FileRef] = Field(default_factory=list, max_length=MAX_FILES_CEILING)
     inputs: dict[str, str | int | float | bool] = Field(default_factory=dict)
     context: str | None = None
     invoke_from: Literal["published", "draft"] = "published"
@@ -86,11 +96,15 @@ class TurnRequest(_Wire):
 
 
 def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: int,
-                       max_context_chars: int = 200_000) -> TurnRequest:
+                       max_context_chars: int = 200_000, max_inputs_chars: int = 32_000,
+                       max_files: int = 32) -> TurnRequest:
     """Validate a producer's turn request (a JSON object or its text), or raise `InvalidRequest`.
 
     `fallback_turn_id` names the turn when the producer gave none: the queue message id, so a
-    redelivered message keeps the same turn.
+    redelivered message keeps the same turn. Sizes are counted in characters like the query's:
+    `context` and the answers of `deferred_tool_results` (their JSON text) against
+    `max_context_chars`, `inputs` (every name and value as text) against `max_inputs_chars`; at most
+    `max_files` files. Every producer's request is checked here, not only the gateway's.
     """
     data = _as_object(raw)
     data.setdefault("turn_id", fallback_turn_id)
@@ -104,13 +118,55 @@ def parse_turn_request(raw: object, *, fallback_turn_id: str, max_query_chars: i
             raise InvalidRequest("deferred_tool_results needs the conversation_id of the paused turn")
     elif not request.query.strip():
         raise InvalidRequest("query is empty")
-    if len(request.query) > max_query_chars:
-        raise InvalidRequest(f"query is {len(request.query)} characters; the limit is {max_query_chars}")
-    if request.context is not None and len(request.context) > max_context_chars:
-        raise InvalidRequest(f"context is {len(request.context)} characters; the limit is {max_context_chars}")
+    _check_sizes(request, max_query_chars=max_query_chars, max_context_chars=max_context_chars,
+                 max_inputs_chars=max_inputs_chars, max_files=max_files)
     if request.invoke_from == "draft" and request.draft_id is None:
         raise InvalidRequest("invoke_from 'draft' needs a draft_id")
     return request
+
+
+def _check_sizes(request: TurnRequest, *, max_query_chars: int, max_context_chars: int, max_inputs_chars: int,
+                 max_files: int) -> None:
+    answers = json.dumps(request.deferred_tool_results.calls) if request.deferred_tool_results else ""
+    measured = (("query", len(request.query), max_query_chars),
+                ("context", len(request.context or ""), max_context_chars),
+                ("deferred_tool_results", len(answers), max_context_chars),
+                ("inputs", inputs_chars(request.inputs), max_inputs_chars))
+    for name, size, limit in measured:
+        if size > limit:
+            raise InvalidRequest(f"{name} is {size} characters; the limit is {limit}")
+    if len(request.files) > max_files:
+        raise InvalidRequest(f"{len(request.files)} files; the limit is {max_files}")
+
+
+def inputs_chars(inputs: dict[str, str | int | float | bool]) -> int:
+    """The size of the prompt variables as counted against their limit: every name and value as text."""
+    return sum(len(name) + len(str(value)) for name, value in inputs.items())
+
+
+def json_too_deep(text: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON text nests objects and arrays deeper than `limit`, found without parsing it: the
+    brackets outside strings, counted (text that is no JSON at all is the parser's to refuse)."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    depth = 0
+    for byte in _JSON_STRING.sub(b"", raw).translate(None, _NO_BRACKET):
+        depth += 1 if byte in b"[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def _object_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a parsed JSON-like value nests deeper than `limit` (walked without recursion)."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth + 1 > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def extract_turn_id(raw: object) -> str | None:
@@ -147,10 +203,14 @@ def _check_text(data: dict[str, Any]) -> None:
 
 def _as_object(raw: object) -> dict[str, Any]:
     if isinstance(raw, bytes | str):
+        if json_too_deep(raw):
+            raise InvalidRequest(f"turn request nests deeper than {MAX_JSON_DEPTH} levels")
         try:
             raw = json.loads(raw)
         except ValueError as e:
             raise InvalidRequest(f"turn request is not valid JSON: {e}") from None
+    elif _object_too_deep(raw):
+        raise InvalidRequest(f"turn request nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(raw, dict):
         raise InvalidRequest("turn request must be a JSON object")
     return dict(raw)

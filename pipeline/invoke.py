@@ -188,7 +188,7 @@ async def run_turn(
             output, failure = None, e
     new = [m for m in captured if m.run_id == run_id]
     outcome = _outcome(output, failure, new, list(stream.tools.values()), max_chars=max_chars, secrets=secrets)
-    return guard_output(outcome, new, turn, max_chars=max_chars, clock=clock)
+    return guard_output(outcome, new, turn, max_chars=max_chars)
 
 
 def answer_without_model(turn: ResolvedTurn) -> InvokeOutcome:
@@ -200,14 +200,14 @@ def answer_without_model(turn: ResolvedTurn) -> InvokeOutcome:
 
 
 def guard_output(outcome: InvokeOutcome, new: list[ModelMessage], turn: ResolvedTurn, *,
-                 max_chars: int, clock: Callable[[], float]) -> InvokeOutcome:
+                 max_chars: int) -> InvokeOutcome:
     """The outcome with the output guard's reply in place of an answer that breaks its rules: in the
     answer and in the stored messages. The check sees all the text the run said, as its stream did."""
     rules = turn.config.guards.output
     if not rules.active:
         return outcome
-    hit = (check_text(rules, spoken_text(new), where="output", clock=clock)
-           or check_text(rules, outcome.answer, where="output", clock=clock))
+    hit = (check_text(rules, spoken_text(new), where="output")
+           or check_text(rules, outcome.answer, where="output"))
     if hit is None:
         return outcome
     snapshot = prepare_snapshot(scrub_responses(new, hit.reply), paused=outcome.status == "paused")

@@ -57,7 +57,7 @@ class MessageRecord(_Record):
     created_at: float = 0.0
     updated_at: float = 0.0
     #: Why a guard answered instead of the model, or replaced its answer: {"kind", "rule"} (and
-    #: "timed_out": true when a pattern ran out of its time budget).
+    #: rows stored before guards ran on RE2 may also carry "timed_out").
     guard: dict[str, str | bool] | None = None
 
 

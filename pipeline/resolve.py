@@ -8,8 +8,8 @@ from typing import Literal
 from .budget import answering_limits
 from .config import AgentConfig, expand_variables, whitelisted_settings
 from .contracts import TurnRequest
-from .errors import Forbidden, InvalidRequest, SessionConfigurationChanged
-from .guards import Clock, GuardDecision, check_input
+from .errors import Forbidden, InvalidRequest, SessionConfigurationChanged, ThreadlineError
+from .guards import GuardDecision, check_input
 from .records import ConversationRecord, ResolvedTurn
 
 
@@ -57,6 +57,35 @@ def check_scope(request: TurnRequest, conversation: ConversationRecord) -> None:
         raise Forbidden("the conversation does not belong to this tenant, app, user and agent")
 
 
+#: Why a script (admit.lua, advance.lua, finish.lua) refused to write into a conversation; the same
+#: rules `check_target` applies before anything is written.
+Refusal = Literal["foreign_conversation", "conversation_exists", "message_exists"]
+
+
+def refusal_error(why: Refusal, *, turn_id: str, conversation_id: str) -> ThreadlineError:
+    """The stable error a refusal ends its turn with: another tenant's conversation is `forbidden`; a
+    turn id used before (its record expired, its conversation or message is still there) is
+    `invalid_request` — an existing message is never overwritten, so the producer picks a new id."""
+    if why == "foreign_conversation":
+        return Forbidden(f"conversation {conversation_id} belongs to another tenant")
+    what = f"conversation {conversation_id}" if why == "conversation_exists" else f"message {turn_id}"
+    return InvalidRequest(f"turn id {turn_id} was used before: {what} exists (the earlier turn's record expired); "
+                          "send this turn with a new turn id")
+
+
+def check_target(request: TurnRequest, *, existing: ConversationRecord | None, message_taken: bool,
+                 conversation_id: str) -> None:
+    """A turn may only create a conversation that does not exist (`existing`: the one its derived id
+    names) and may never write over a message of another turn (`message_taken`: its message id, the
+    turn id, already names a row). Another tenant's conversation is refused before the rest."""
+    if existing is not None and existing.tenant_id != request.tenant_id:
+        raise refusal_error("foreign_conversation", turn_id=request.turn_id, conversation_id=conversation_id)
+    if existing is not None:
+        raise refusal_error("conversation_exists", turn_id=request.turn_id, conversation_id=conversation_id)
+    if message_taken:
+        raise refusal_error("message_exists", turn_id=request.turn_id, conversation_id=conversation_id)
+
+
 def resolve_turn(
     request: TurnRequest,
     *,
@@ -65,18 +94,23 @@ def resolve_turn(
     config_ref: str,
     new_conversation_id: str,
     now: float,
-    clock: Clock,
     parent_known: bool = True,
+    existing: ConversationRecord | None = None,
+    message_taken: bool = False,
 ) -> tuple[ResolvedTurn, ResolveDecision]:
     """Pin everything the turn needs; raise a `ThreadlineError` with a stable code when it can't run.
     `parent_known`: the request's `parent_message_id` is a message of this conversation (the shell
-    looked it up), so a turn can never branch from another conversation's message."""
+    looked it up), so a turn can never branch from another conversation's message. `existing` (a new
+    conversation's turn: the conversation its id names, when it exists) and `message_taken` (the turn's
+    message id names a row already, not its own): see `check_target`."""
     if not parent_known:
         raise InvalidRequest(f"parent message {request.parent_message_id!r} is not in this conversation")
     if conversation is not None:
         check_scope(request, conversation)
-        if list(conversation.layers) != list(config.layers):
-            raise SessionConfigurationChanged()
+    check_target(request, existing=existing, message_taken=message_taken,
+                 conversation_id=conversation.id if conversation else new_conversation_id)
+    if conversation is not None and list(conversation.layers) != list(config.layers):
+        raise SessionConfigurationChanged()
     deferred = _check_resume(request, conversation)
     instructions, missing = expand_variables(config.instructions, request.inputs)
     settings = whitelisted_settings(config.settings)
@@ -84,7 +118,7 @@ def resolve_turn(
         settings["max_tokens"] = answering_limits(config.model).max_output
     pinned = config.model_copy(update={"settings": settings})
     # a resume carries the human's answers to the model's own question, not a new query: not guarded
-    guard = check_input(config.guards, request.query, request.inputs, clock=clock) if deferred is None else None
+    guard = check_input(config.guards, request.query, request.inputs) if deferred is None else None
     resolved = ResolvedTurn(
         turn_id=request.turn_id,
         conversation_id=conversation.id if conversation else new_conversation_id,

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from hypothesis import settings as hypothesis_settings
 
 from tests.support.restartable import Restartable
 from threadline.pipeline.config import AgentConfig
@@ -26,6 +27,11 @@ from threadline.workers.settings import Settings
 from threadline.workers.storage.embedded import ensure_embedded
 from threadline.workers.storage.store import Store
 from threadline.workers.worker.process import start_worker
+
+# Hypothesis' per-example deadline is wall time: on a loaded machine it fails examples that are only
+# slow. The properties are what the tests check; their speed is the benchmarks' business.
+hypothesis_settings.register_profile("threadline", deadline=None)
+hypothesis_settings.load_profile("threadline")
 
 ROOT = Path(__file__).resolve().parents[1]
 

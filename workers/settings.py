@@ -63,7 +63,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Where `threadline worker` serves /metrics and its probes unless TL_METRICS_PORT says otherwise.
 DEFAULT_METRICS_PORT = 9464
 
-#: Every variable Threadline reads, with a one-line meaning: `threadline --help` lists them (the README's
+#: Every variable Threadline reads, with a one-line meaning: `threadline --help` lists them (docs/operations.md's
 #: settings table says more).
 ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("REDIS_URL", "the Redis/Valkey server (unset: the embedded server `threadline worker` starts)"),
@@ -76,7 +76,10 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_THREADS", "threads per worker process (default 8)"),
     ("TL_INVOKE_PREFETCH", "model calls one process runs at once (default threads / 2)"),
     ("TL_MAX_QUERY_CHARS", "longest query (default 32000)"),
-    ("TL_MAX_CONTEXT_CHARS", "longest context (default 200000)"),
+    ("TL_MAX_CONTEXT_CHARS", "longest context, and longest answers to a paused turn's tool calls (default 200000)"),
+    ("TL_MAX_INPUTS_CHARS", "the most characters of prompt variables, names and values (default 32000)"),
+    ("TL_MAX_FILES", "the most files a turn request may carry (default 32, at most 256)"),
+    ("TL_MAX_BODY_BYTES", "the largest request body the gateway reads; larger is a 413 (default 2097152)"),
     ("TL_MAX_TEXT_CHARS", "answers and tool texts are stored cut at this length (default 100000)"),
     ("TL_IDLE_POLL_MS", "an idle consumer's poll interval (default 2000)"),
     ("TL_DELAY_POLL_MS", "the delay queues' poll interval (default 5000)"),
@@ -100,6 +103,12 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_METRICS_PORT", "`threadline worker` serves /metrics, /healthz and /livez on this port (default 9464; 0: off)"),
     ("TL_TRACING", "1: OpenTelemetry spans per turn and stage (also on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     ("TL_FILE_CHECK", "public (default), all or off: the hosts workers may ask whether a file in history is there"),
+    ("TL_GATEWAY_POOL", "Redis connections of a gateway process's requests (default 32; streams share one more)"),
+    ("TL_GATEWAY_POOL_TIMEOUT_S", "how long a gateway request waits for a free connection before a 503 (default 5)"),
+    ("TL_KEY_RPS", "requests per second an API key may make, unless its record says (default 20; 0: no limit)"),
+    ("TL_KEY_TURNS_PER_MIN", "turns per minute an API key may start, unless its record says (default 60; 0: no limit)"),
+    ("TL_KEY_MAX_STREAMS", "event streams an API key may hold open at once, unless its record says (default 100)"),
+    ("TL_AUTH_FAILURES_PER_MIN", "failed authentications per client address and minute before 429 (default 20)"),
 )
 
 
@@ -119,6 +128,11 @@ class Settings:
     invoke_prefetch: int | None = None
     max_query_chars: int = 32_000
     max_context_chars: int = 200_000
+    #: Prompt variables (`inputs`), every name and value counted as text; files per request.
+    max_inputs_chars: int = 32_000
+    max_files: int = 32
+    #: The gateway reads at most this much of a request body (counted as it arrives); more is a 413.
+    max_body_bytes: int = 2 * 1024 * 1024
     #: Answers, tool arguments and tool results longer than this are stored truncated, with a marker.
     max_text_chars: int = 100_000
     #: Upper bound for an idle consumer's sleep between polls; a doorbell wakes it sooner.
@@ -164,6 +178,17 @@ class Settings:
     metrics_port: int = DEFAULT_METRICS_PORT
     #: OpenTelemetry spans per turn and stage, exported over OTLP (`workers/telemetry/tracing.py`).
     tracing: bool = False
+    #: A gateway process's Redis connections for requests (a blocking pool: a request waits up to
+    #: `gateway_pool_timeout_s` for one); `/healthz` has two of its own, every event stream shares one.
+    gateway_pool: int = 32
+    gateway_pool_timeout_s: float = 5.0
+    #: Per API key, unless its record says otherwise (0: no limit): requests per second (a bucket of
+    #: one second's worth), turns per minute (a minute's worth), event streams open at once.
+    key_rps: int = 20
+    key_turns_per_min: int = 60
+    key_max_streams: int = 100
+    #: Failed authentications one client address may make per minute; then 429 until it refills.
+    auth_failures_per_min: int = 20
 
     @property
     def broker_namespace(self) -> str:
@@ -197,6 +222,9 @@ class Settings:
             invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 0) or None,
             max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000, minimum=1),
             max_context_chars=_int(env, "TL_MAX_CONTEXT_CHARS", 200_000, minimum=1),
+            max_inputs_chars=_int(env, "TL_MAX_INPUTS_CHARS", 32_000, minimum=1),
+            max_files=_int(env, "TL_MAX_FILES", 32, maximum=256),
+            max_body_bytes=_int(env, "TL_MAX_BODY_BYTES", 2 * 1024 * 1024, minimum=1024),
             max_text_chars=_int(env, "TL_MAX_TEXT_CHARS", 100_000, minimum=1),
             idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000, minimum=1),
             delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000, minimum=1),
@@ -220,4 +248,10 @@ class Settings:
             policy=model_policy(env),
             metrics_port=_int(env, "TL_METRICS_PORT", DEFAULT_METRICS_PORT, maximum=65_535),
             tracing=env.get("TL_TRACING", "") in ("1", "true", "yes") or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
+            gateway_pool=_int(env, "TL_GATEWAY_POOL", 32, minimum=1),
+            gateway_pool_timeout_s=_float(env, "TL_GATEWAY_POOL_TIMEOUT_S", 5.0),
+            key_rps=_int(env, "TL_KEY_RPS", 20),
+            key_turns_per_min=_int(env, "TL_KEY_TURNS_PER_MIN", 60),
+            key_max_streams=_int(env, "TL_KEY_MAX_STREAMS", 100),
+            auth_failures_per_min=_int(env, "TL_AUTH_FAILURES_PER_MIN", 20),
         )

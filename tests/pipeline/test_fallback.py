@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -97,7 +96,7 @@ def test_every_model_of_the_chain_is_asked_for_no_more_than_the_smallest_answer(
     request = parse_turn_request({"schema": "threadline.turn/v1", "tenant_id": "t", "app_id": "a", "user_id": "u",
                                   "agent_id": "bot", "query": "hi"}, fallback_turn_id="t1", max_query_chars=100)
     resolved, _ = resolve_turn(request, conversation=None, config=parse_agent_config(doc), config_ref="v1",
-                               new_conversation_id="c1", now=0.0, clock=time.monotonic)
+                               new_conversation_id="c1", now=0.0)
     assert resolved.config.settings["max_tokens"] == 300
 
 

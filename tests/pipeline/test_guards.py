@@ -30,13 +30,13 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from threadline.pipeline import events
-from threadline.pipeline.config import AgentConfig, GuardRules, GuardsSpec, parse_agent_config
+from threadline.pipeline.config import AgentConfig, GuardRules, GuardsSpec, compile_pattern, parse_agent_config
 from threadline.pipeline.contracts import parse_turn_request
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.guards import (
-    PATTERN_BUDGET_S,
     SENTENCE_END,
     WITHHELD_QUERY,
+    CompiledRules,
     GuardDecision,
     StreamGuard,
     check_input,
@@ -60,7 +60,7 @@ def rules(**fields: Any) -> GuardRules:
 
 
 def hit(rule_set: GuardRules, text: str) -> str | None:
-    found = check_text(rule_set, text, where="output", clock=time.monotonic)
+    found = check_text(rule_set, text, where="output")
     return found.rule if found else None
 
 
@@ -114,9 +114,9 @@ def test_the_input_guard_checks_query_and_prompt_variables_moderation_first() ->
         "annotations": [{"question": "hours", "answer": "9 to 5."}],
     })
     refused = GuardDecision("moderation", "input.keywords[0]", "Not that.")
-    assert check_input(guards, "Hours?", {}, clock=time.monotonic) == refused
-    assert check_input(guards, "hello", {"name": "about hours", "n": 3}, clock=time.monotonic) is not None
-    assert check_input(guards, "hello", {"name": "Ada"}, clock=time.monotonic) is None
+    assert check_input(guards, "Hours?", {}) == refused
+    assert check_input(guards, "hello", {"name": "about hours", "n": 3}) is not None
+    assert check_input(guards, "hello", {"name": "Ada"}) is None
 
 
 # --- validation -------------------------------------------------------------------------------------
@@ -125,8 +125,10 @@ def test_the_input_guard_checks_query_and_prompt_variables_moderation_first() ->
 @pytest.mark.parametrize(
     ("guards", "message"),
     [
-        ({"input": {"patterns": ["(unclosed"]}}, "guards.input.patterns: Value error, patterns[0] is not a valid"),
-        ({"output": {"patterns": ["ok", "x*"]}}, "patterns[1] matches the empty text"),
+        ({"input": {"patterns": ["(unclosed"]}},
+         "guards.input.patterns[0]: not a valid regular expression: missing ): (unclosed"),
+        ({"output": {"patterns": ["ok", "x*"]}}, "guards.output.patterns[1]: matches the empty text"),
+        ({"output": {"patterns": ["(?m)^$"]}}, "guards.output.patterns[0]: matches the empty text"),
         ({"input": {"patterns": ["a" * 257]}}, "at most 256 characters"),
         ({"input": {"patterns": ["a"] * 33}}, "at most 32 items"),
         ({"input": {"keywords": ["   "]}}, "at least 1 character"),
@@ -135,7 +137,7 @@ def test_the_input_guard_checks_query_and_prompt_variables_moderation_first() ->
         ({"input": {"reply": ""}}, "at least 1 character"),
         ({"input": {"block": ["x"]}}, "guards.input.block: Extra inputs are not permitted"),
         ({"annotation_match": "embedding"}, "'exact' or 'normalised'"),
-        ({"annotations": [{"question": "q"}]}, "guards.annotations.0.answer: Field required"),
+        ({"annotations": [{"question": "q"}]}, "guards.annotations[0].answer: Field required"),
     ],
 )
 def test_invalid_guards_are_refused_with_a_clear_error(guards: dict[str, Any], message: str) -> None:
@@ -143,6 +145,42 @@ def test_invalid_guards_are_refused_with_a_clear_error(guards: dict[str, Any], m
     with pytest.raises(InvalidRequest) as refused:
         parse_agent_config(json.dumps(document))
     assert message in refused.value.message
+
+
+NO_BACKTRACKING = "RE2 cannot run this pattern (it supports no backreferences or lookarounds)"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        (r"(\w+) \1", f"{NO_BACKTRACKING}: invalid escape sequence: \\1"),  # a backreference
+        (r"(?P<w>\w+) (?P=w)", f"{NO_BACKTRACKING}: invalid perl operator: (?P"),  # named
+        (r"(?<=card )\d+", f"{NO_BACKTRACKING}: invalid perl operator: (?<="),  # lookbehind
+        (r"(?<!no )card", f"{NO_BACKTRACKING}: invalid perl operator: (?<!"),
+        (r"card(?= number)", f"{NO_BACKTRACKING}: invalid perl operator: (?="),  # lookahead
+        (r"card(?! game)", f"{NO_BACKTRACKING}: invalid perl operator: (?!"),
+        (r"\d++-", f"{NO_BACKTRACKING}: bad repetition operator: ++"),  # possessive
+        (r"(?>\d+)-", f"{NO_BACKTRACKING}: invalid perl operator: (?>"),  # atomic group
+        (r"secret\Z", "RE2 cannot run this pattern (it spells the end of the text \\z): invalid escape sequence: \\Z"),
+        (r"x{1001}", "(it repeats at most 1000 times, nested counts multiplied): invalid repetition size: {1001}"),
+        (r"(?:x{100}){11}", "invalid repetition size: {11}"),
+        (r"\pL{500}", "(its compiled program is larger than RE2 allows): pattern too large - compile failed"),
+        (r"(?<=a", "not a valid regular expression: "),  # broken for every engine: not an RE2 refusal
+    ],
+)
+def test_a_pattern_re2_cannot_run_is_refused_at_validation_naming_its_place(pattern: str, message: str) -> None:
+    document = {"id": "bot", "model": "offline:echo", "guards": {"output": {"patterns": [r"\bok\b", pattern]}}}
+    with pytest.raises(InvalidRequest) as refused:
+        parse_agent_config(json.dumps(document))
+    line = refused.value.message
+    assert "\n" not in line and line.startswith("invalid agent config: guards.output.patterns[1]: "), line
+    assert message in line, line
+
+
+@pytest.mark.parametrize("pattern", [r"(a+)+$", r"(a|aa)+$", r"(x+x+)+y", r"\p{L}+ \p{Nd}{3}", r"secret\z",
+                                     r"(?P<card>\d{4})-\d{4}", r"[[:alpha:]]+!", r"(?s)begin.end"])
+def test_patterns_re2_runs_are_accepted_catastrophic_ones_included(pattern: str) -> None:
+    assert GuardRules.model_validate({"patterns": [pattern]}).patterns == (pattern,)
 
 
 def test_guards_survive_the_stored_config_round_trip() -> None:
@@ -172,7 +210,7 @@ def first_match_start(rule_set: GuardRules, text: str) -> int | None:
     start = 0
     for boundary in [*SENTENCE_END.finditer(text), None]:
         end = boundary.end() if boundary else len(text)
-        if compiled.sentence_rule(text[start:end], time.monotonic() + 60, time.monotonic) is not None:
+        if compiled.sentence_rule(text[start:end]) is not None:
             starts.append(start)
             break
         start = end
@@ -180,7 +218,7 @@ def first_match_start(rule_set: GuardRules, text: str) -> int | None:
 
 
 def stream(rule_set: GuardRules, chunks: list[str]) -> tuple[list[str], StreamGuard]:
-    guard = StreamGuard(compile_rules(rule_set, "output"), time.monotonic)
+    guard = StreamGuard(compile_rules(rule_set, "output"))
     released = [guard.feed(c) for c in chunks]
     return [*released, guard.finish()], guard
 
@@ -202,7 +240,7 @@ def test_no_released_text_is_part_of_a_match_whatever_the_chunks(
     text = "".join(pieces)
     released, guard = stream(rule_set, split(text, cuts))
     emitted = "".join(released)
-    whole = check_text(rule_set, text, where="output", clock=time.monotonic)
+    whole = check_text(rule_set, text, where="output")
     assert text.startswith(emitted)
     assert (guard.hit is None) == (whole is None)  # a stream is refused exactly when the whole text is
     start = first_match_start(rule_set, text)
@@ -210,7 +248,7 @@ def test_no_released_text_is_part_of_a_match_whatever_the_chunks(
         assert emitted == text
     else:
         assert len(emitted) <= start
-        assert check_text(rule_set, emitted, where="output", clock=time.monotonic) is None or rule_set.match == "word"
+        assert check_text(rule_set, emitted, where="output") is None or rule_set.match == "word"
     if rule_set.match == "substring":
         assert not any(k in emitted.lower() for k in rule_set.keywords)
 
@@ -227,7 +265,7 @@ def test_text_is_held_back_only_as_far_as_a_match_could_reach() -> None:
 def test_run_events_stream_no_forbidden_text_and_stop_at_a_hit() -> None:
     guards = GuardsSpec.model_validate({"output": {"keywords": ["password"], "reply": "Withheld."}})
     run = RunEvents("t1", 1, TextDebouncer(window_s=0.0), tool_payload_chars=1000,
-                    guard=stream_guard(guards, time.monotonic))
+                    guard=stream_guard(guards))
     sent = run.observe(PartStartEvent(index=0, part=TextPart("Your pass")), now=0.0)
     for i, chunk in enumerate(["word is", " hunter2", " and more"]):
         sent += run.observe(PartDeltaEvent(index=0, delta=TextPartDelta(chunk)), now=0.01 * i)
@@ -256,7 +294,7 @@ def resolve(query: str, **fields: Any) -> ResolvedTurn:
                                           pending_tool_calls=[{"tool_call_id": "call1", "name": "ask_human",
                                                                "args": {}}])
     resolved, decision = resolve_turn(request, conversation=conversation, config=CONFIG, config_ref="v1",
-                                      new_conversation_id="c1", now=1_700_000_000.0, clock=time.monotonic)
+                                      new_conversation_id="c1", now=1_700_000_000.0)
     assert decision.guard == resolved.guard
     return resolved
 
@@ -297,7 +335,7 @@ def test_the_output_guard_replaces_the_answer_in_events_outcome_and_snapshot() -
 
         turn = resolve("what is it?")
         translator = RunEvents("t1", 1, TextDebouncer(window_s=0.0), tool_payload_chars=10_000,
-                               guard=stream_guard(turn.config.guards, time.monotonic))
+                               guard=stream_guard(turn.config.guards))
         async with TurnStream(translator, emit, time.monotonic) as stream_:
             outcome = await run_turn(turn, [], agent=build_agent(FunctionModel(stream_function=speak)), attempt=1,
                                      stream=stream_, token=CancellationToken(), clock=lambda: 0.0, timeout_s=10,
@@ -315,45 +353,152 @@ def test_the_output_guard_replaces_the_answer_in_events_outcome_and_snapshot() -
     assert "[answer withheld]" in outcome.snapshot and re.search("what is it", outcome.snapshot)
 
 
-# --- patterns that backtrack catastrophically ------------------------------------------------------
+# --- RE2: linear work, whatever the pattern -------------------------------------------------------
 
 
-def test_a_catastrophic_pattern_is_cut_off_and_fails_closed() -> None:
-    # on Python's `re` this search would not end in the lifetime of the worker
+def test_a_catastrophic_pattern_gives_the_right_answer_on_a_long_text() -> None:
+    # `(a+)+$` backtracks catastrophically: on Python's `re` the first search below would not end in
+    # the lifetime of the worker (nor of the test's timeout); RE2 never backtracks
     rules = GuardRules.model_validate({"patterns": [r"(a+)+$"], "reply": "Refused."})
-    started = time.monotonic()
-    hit = check_text(rules, "a" * 5000 + "!", where="input", clock=time.monotonic)
-    assert time.monotonic() - started < PATTERN_BUDGET_S + 1.0
-    assert hit == GuardDecision("moderation", "input.patterns[0]", "Refused.", timed_out=True)
-    assert hit.record() == {"guard": {"kind": "moderation", "rule": "input.patterns[0]", "timed_out": True}}
+    assert check_text(rules, "a" * 100_000 + "b", where="input") is None
+    hit = check_text(rules, "a" * 100_000, where="input")
+    assert hit == GuardDecision("moderation", "input.patterns[0]", "Refused.")
+    assert hit.record() == {"guard": {"kind": "moderation", "rule": "input.patterns[0]"}}  # nothing timed out
+    nested = GuardRules.model_validate({"patterns": [r"(a|aa)+$", r"(x+x+)+y"]})
+    assert check_text(nested, " ".join(["a" * 22 + "!"] * 2000) + " " + "x" * 50_000, where="output") is None
 
 
-def test_every_search_of_a_text_shares_one_time_budget() -> None:
-    # each sentence alone ends in time (~20 ms); sixty of them would take over a second
-    rules = GuardRules.model_validate({"patterns": [r"(a|aa)+$"]})
-    text = " ".join(["a" * 22 + "!"] * 60)
-    started = time.monotonic()
-    hit = check_text(rules, text, where="output", clock=time.monotonic)
-    assert time.monotonic() - started < PATTERN_BUDGET_S + 1.0
-    assert hit is not None and hit.timed_out
-
-
-def test_sane_patterns_on_a_long_text_stay_well_within_the_budget() -> None:
+def test_the_two_card_patterns_pass_a_long_benign_answer_and_find_a_planted_one() -> None:
     rules = GuardRules.model_validate({"patterns": [r"\bcredit\s+card\s+number\b", r"\d{4}-\d{4}-\d{4}-\d{4}"]})
     text = "The order shipped today and the invoice is attached. " * 1500  # ~80,000 characters
-    started = time.monotonic()
-    assert check_text(rules, text, where="output", clock=time.monotonic) is None
-    assert time.monotonic() - started < PATTERN_BUDGET_S
-    found = check_text(rules, text + "My credit  card number is here.", where="output", clock=time.monotonic)
-    assert found is not None and not found.timed_out and found.rule == "output.patterns[0]"
+    assert check_text(rules, text, where="output") is None
+    assert hit(rules, text + "My credit  card NUMBER is here.") == "output.patterns[0]"
+    assert hit(rules, text + "Pay with 4111-1111-1111-1111 now.") == "output.patterns[1]"
 
 
-def test_the_budget_counts_search_time_not_the_time_a_stream_takes() -> None:
-    now = [0.0]
-    guard = StreamGuard(compile_rules(rules(patterns=[r"secret\s+code"]), "output"), lambda: now[0])
-    released = []
-    for sentence in ["The weather is fine. ", "A long answer streams for minutes. ", "Nothing to hide here. "]:
-        released.append(guard.feed(sentence))
-        now[0] += 60.0  # a minute between chunks: no search ran meanwhile
-    released.append(guard.finish())
-    assert guard.hit is None and "".join(released).endswith("Nothing to hide here. ")
+class CountingPattern:
+    """A compiled pattern that counts the bytes it is asked to search: the guard's work."""
+
+    def __init__(self, pattern: str) -> None:
+        self.compiled = compile_pattern(pattern)
+        self.searched = 0
+        self.searches = 0
+
+    def search(self, text: str | bytes) -> object | None:
+        self.searched += len(text)
+        self.searches += 1
+        return self.compiled.search(text)
+
+
+def counting_rules(rule_set: GuardRules) -> tuple[CompiledRules, list[CountingPattern]]:
+    counters = [CountingPattern(p) for p in rule_set.patterns]
+    compiled = CompiledRules(where="output", rules=rule_set, keywords=None, longest=0, patterns=tuple(counters))
+    return compiled, counters
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 4096])
+def test_every_sentence_is_searched_once_alone_so_the_work_is_linear_in_the_text(chunk: int | None) -> None:
+    # a search per sentence per pattern, each over that sentence only: ~80,000 bytes searched per
+    # pattern however the text streams (searching from the text's start to each sentence's end would
+    # search ~60 million)
+    rule_set = rules(patterns=[r"\bcredit\s+card\s+number\b", r"\d{4}-\d{4}-\d{4}-\d{4}"])
+    text = "The order shipped today, the invoice is attached. Thanks!\n" * 1400
+    compiled, counters = counting_rules(rule_set)
+    guard = StreamGuard(compiled)
+    pieces = [text] if chunk is None else [text[i : i + chunk] for i in range(0, len(text), chunk)]
+    released = "".join([guard.feed(p) for p in pieces]) + guard.finish()
+    assert guard.hit is None and released == text
+    sentences = len(list(SENTENCE_END.finditer(text)))
+    assert sentences == 2 * 1400
+    for counter in counters:
+        assert (counter.searches, counter.searched) == (sentences, len(text.encode()))
+
+
+def test_a_pattern_never_matches_across_a_sentence_end() -> None:
+    spans = rules(patterns=[r"ignore.*instructions"])
+    assert hit(spans, "Ignore me. The instructions are clear. Thanks.") is None
+    assert hit(spans, "Ignore me.\nThe instructions are clear.\nThanks.") is None
+    assert hit(spans, "First. Now ignore the instructions. Thanks.") == "output.patterns[0]"
+
+
+# --- RE2's syntax and classes, as the docs state them ---------------------------------------------
+
+
+def test_re2_classes_are_ascii_and_case_folding_covers_every_script() -> None:
+    fullwidth = "\uff13\uff14\uff15"
+    assert hit(rules(patterns=[r"\d{3}"]), f"call ٣٤٥ or {fullwidth}") is None  # `\d` is ASCII on RE2
+    assert hit(rules(patterns=[r"\p{Nd}{3}"]), f"call {fullwidth}") == "output.patterns[0]"  # any script's digits
+    assert hit(rules(patterns=[r"\w+ist"]), "éist") is None  # `\w` is ASCII: `é` is no word character
+    assert hit(rules(patterns=[r"\p{L}+ist"]), "éist") == "output.patterns[0]"
+    assert hit(rules(patterns=[r"\bcard\b"]), "écard") == "output.patterns[0]"  # so `\b` sees one before `c`
+    assert hit(rules(patterns=[r"\s"]), "no\u00a0break") is None  # `\s` is ASCII whitespace
+    # case-insensitive in every script, as Python's `re` is
+    assert hit(rules(patterns=["straße"]), "STRAẞE") == "output.patterns[0]"
+    assert hit(rules(patterns=["σοφία"]), "ΣΟΦΊΑ") == "output.patterns[0]"
+    assert hit(rules(patterns=["äpfel"]), "ÄPFEL") == "output.patterns[0]"
+
+
+def test_anchors_mark_the_sentence_and_dollar_matches_before_its_line_break() -> None:
+    anchored = rules(patterns=[r"^ok\b", r"secret$"])
+    assert hit(anchored, "Fine. OK then.") == "output.patterns[0]"  # each sentence starts a text
+    assert hit(anchored, "Fine. not ok") is None
+    assert hit(anchored, "it is a secret\nnext line") == "output.patterns[1]"  # as Python's `$` before a final \n
+    assert hit(anchored, "it is a secret") == "output.patterns[1]"
+    assert hit(anchored, "a secret. Next") is None  # the sentence is "a secret. ": `$` is after the space
+
+
+def test_a_lone_surrogate_is_searched_as_a_character() -> None:
+    card = rules(patterns=[r"\d{4}-\d{4}", r"a.b"])
+    assert hit(card, "x \ud800 1234-5678") == "output.patterns[0]"
+    assert hit(card, "a\udfffb") == "output.patterns[1]"
+    assert hit(card, "\ud800" * 10) is None
+
+
+# --- properties: the verdict is each sentence's alone, and nothing of a match is released ---------
+
+#: Patterns that can reach across a sentence end (`.*`) or rely on its edges (`^`, `$`, `\b`).
+SENTENCE_RULES = rules(patterns=[r"top.*secret", r"^ok\b", r"\bbad$", r"\d{3}-\d{3}"])
+SENTENCE_PIECES = ["top", " secret", "ok", "OK", "bad", " ", ". ", "! ", "? ", ".", "\n", "x", "12", "3-4", "56",
+                   "é", "\u3002"]
+
+
+def reference_rule(rule_set: GuardRules, text: str) -> str | None:
+    """The first sentence's first matching pattern, by Python's `re` on each sentence alone
+    (case-insensitive; multi-line: a sentence's only line break is its last character; ASCII
+    classes, as RE2's)."""
+    start = 0
+    for end in [*(b.end() for b in SENTENCE_END.finditer(text)), len(text)]:
+        sentence = text[start:end]
+        for i, pattern in enumerate(rule_set.patterns):
+            if sentence and re.search(pattern, sentence, re.IGNORECASE | re.MULTILINE | re.ASCII):
+                return f"output.patterns[{i}]"
+        start = end
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(SENTENCE_PIECES), max_size=16), st.lists(st.integers(0, 80), max_size=10))
+@example(["top", ". ", " secret"], [])  # across a sentence end: no match
+@example(["ok", ". ", "ok"], [4])  # the second sentence starts a text too
+@example(["x", ". ", "bad", "\n", "x"], [1, 5])
+def test_the_verdict_is_the_first_sentence_alone_that_matches_whatever_the_chunks(
+    pieces: list[str], cuts: list[int]
+) -> None:
+    text = "".join(pieces)
+    expected = reference_rule(SENTENCE_RULES, text)
+    assert hit(SENTENCE_RULES, text) == expected
+    released, guard = stream(SENTENCE_RULES, split(text, cuts))
+    assert (guard.hit.rule if guard.hit else None) == expected
+    emitted = "".join(released)
+    if expected is None:
+        assert emitted == text
+    else:  # nothing of the matching sentence went out
+        start = first_match_start(SENTENCE_RULES, text)
+        assert start is not None and len(emitted) <= start
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=".!?\n\t \u00a0\u3002\uff01\uff1f\u2028ab", max_size=30), st.integers(0, 30))
+def test_sentence_ends_are_exactly_the_documented_ones(text: str, pos: int) -> None:
+    documented = re.compile("[.!?]\\s|[\u3002\uff01\uff1f\n]")
+    assert [m.end() for m in SENTENCE_END.finditer(text, pos)] == [m.end() for m in documented.finditer(text, pos)]

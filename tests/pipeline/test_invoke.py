@@ -59,12 +59,18 @@ def resolved(**config: Any) -> ResolvedTurn:
 
 async def run_with(agent: TurnAgent, turn: ResolvedTurn, *, history: list[ModelMessage] | None = None,
                    token: CancellationToken | None = None, timeout_s: float = 10, max_chars: int = 100_000,
-                   secrets: tuple[str, ...] = (), debounce_s: float = 0.01) -> tuple[InvokeOutcome, list[events.Event]]:
-    """One run as the model stage does it: a `TurnStream` writing to an in-memory sink."""
+                   secrets: tuple[str, ...] = (), debounce_s: float = 0.01,
+                   cancel_at_delta: int | None = None) -> tuple[InvokeOutcome, list[events.Event]]:
+    """One run as the model stage does it: a `TurnStream` writing to an in-memory sink. With
+    `cancel_at_delta`, `token` is cancelled once that many text deltas were written: a moment of the
+    run itself, the same on a loaded machine as on an idle one."""
     sink: list[events.Event] = []
 
     async def emit(event: events.Event) -> None:
         sink.append(event)
+        if token is not None and cancel_at_delta is not None and isinstance(event, events.TextDelta) \
+                and len([e for e in sink if isinstance(e, events.TextDelta)]) == cancel_at_delta:
+            token.cancel()
 
     translator = RunEvents(turn.turn_id, 1, TextDebouncer(window_s=debounce_s), tool_payload_chars=100_000)
     async with TurnStream(translator, emit, time.monotonic) as stream:
@@ -74,16 +80,13 @@ async def run_with(agent: TurnAgent, turn: ResolvedTurn, *, history: list[ModelM
     return outcome, sink
 
 
-async def run(model: Model, turn: ResolvedTurn | None = None, *, cancel_after: float | None = None,
-              timeout_s: float = 10, history: list[ModelMessage] | None = None,
-              max_chars: int = 100_000, secrets: tuple[str, ...] = ()) -> tuple[InvokeOutcome, list[events.Event]]:
+async def run(model: Model, turn: ResolvedTurn | None = None, *, cancel_at_delta: int | None = None,
+              timeout_s: float = 10, history: list[ModelMessage] | None = None, max_chars: int = 100_000,
+              secrets: tuple[str, ...] = (), debounce_s: float = 0.01) -> tuple[InvokeOutcome, list[events.Event]]:
     turn = turn or resolved()
-    token = CancellationToken()
-    if cancel_after is not None:
-        asyncio.get_running_loop().call_later(cancel_after, token.cancel)
     agent = build_agent(model, build_tools(turn.config.tools, allow_python=False))
-    return await run_with(agent, turn, history=history, token=token, timeout_s=timeout_s, max_chars=max_chars,
-                          secrets=secrets)
+    return await run_with(agent, turn, history=history, token=CancellationToken(), timeout_s=timeout_s,
+                          max_chars=max_chars, secrets=secrets, debounce_s=debounce_s, cancel_at_delta=cancel_at_delta)
 
 
 def words_model(n: int, delay: float) -> FunctionModel:
@@ -124,7 +127,9 @@ def test_debouncer_sends_the_first_text_at_once_then_flushes_on_window_and_size(
 
 
 async def test_success_streams_and_stores_no_instructions() -> None:
-    outcome, sink = await run(words_model(20, 0.001))
+    # a debounce window longer than the whole stream takes on any machine: the first word goes out at
+    # once, the rest together (a window shorter than a loaded machine's gaps would send every word)
+    outcome, sink = await run(words_model(20, 0.001), debounce_s=30)
     assert outcome.status == "succeeded" and text_of(sink) == outcome.answer
     assert len([e for e in sink if isinstance(e, events.TextDelta)]) < 20  # debounced
     assert all(e.turn_id == "t1" and e.attempt == 1 for e in sink)
@@ -134,7 +139,7 @@ async def test_success_streams_and_stores_no_instructions() -> None:
 
 
 async def test_cancel_keeps_the_streamed_text_as_the_answer() -> None:
-    outcome, sink = await run(words_model(200, 0.01), cancel_after=0.15)
+    outcome, sink = await run(words_model(200, 0.01), cancel_at_delta=2)
     assert (outcome.status, outcome.code) == ("cancelled", "cancelled")
     assert outcome.answer and text_of(sink) == outcome.answer
     stored = decode_messages(outcome.snapshot or "", where="test")
@@ -297,7 +302,7 @@ async def test_a_model_error_never_carries_the_model_key() -> None:
 
 async def test_the_stream_writes_every_event_in_order_even_when_the_run_is_cancelled() -> None:
     """The writer task is shielded: what the translator emitted before the cancel is all written."""
-    outcome, sink = await run(words_model(500, 0.002), cancel_after=0.1)
+    outcome, sink = await run(words_model(500, 0.002), cancel_at_delta=3)
     assert outcome.status == "cancelled"
     assert text_of(sink) == outcome.answer
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -111,7 +110,7 @@ def test_draft_and_published_surfaces_do_not_mix() -> None:
 
 def resolve(req: dict[str, Any], conv: ConversationRecord | None = None, config: AgentConfig = CONFIG) -> Any:
     return resolve_turn(parse(req), conversation=conv, config=config, config_ref="v2", new_conversation_id="c-new",
-                        now=100.0, clock=time.monotonic)
+                        now=100.0)
 
 
 def test_resolve_pins_config_expands_variables_and_whitelists_settings() -> None:
@@ -136,9 +135,9 @@ def test_a_parent_outside_the_conversation_is_refused_before_anything_else() -> 
     foreign = request(conversation_id="c1", parent_message_id="m-of-c2")
     with pytest.raises(InvalidRequest, match="not in this conversation"):
         resolve_turn(parse(foreign), conversation=conversation(), config=CONFIG, config_ref="v2",
-                     new_conversation_id="c-new", now=100.0, clock=time.monotonic, parent_known=False)
+                     new_conversation_id="c-new", now=100.0, parent_known=False)
     known, _ = resolve_turn(parse(foreign), conversation=conversation(), config=CONFIG, config_ref="v2",
-                            new_conversation_id="c-new", now=100.0, clock=time.monotonic, parent_known=True)
+                            new_conversation_id="c-new", now=100.0, parent_known=True)
     assert known.parent_message_id == "m-of-c2"
 
 

@@ -136,6 +136,5 @@ async def make_turn(store: Store, *, conversation_id: str | None = None, query: 
     cid = conversation_id or new_conversation_id(req.turn_id)
     conversation = await store.find_conversation(cid)
     resolved, _ = resolve_turn(req, conversation=conversation, config=AGENT, config_ref="v1",
-                               new_conversation_id=cid, now=time.time() if accepted_at is None else accepted_at,
-                               clock=time.monotonic)
+                               new_conversation_id=cid, now=time.time() if accepted_at is None else accepted_at)
     return Turn(store, req, resolved)

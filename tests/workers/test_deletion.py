@@ -5,7 +5,6 @@ deletes the idle ones from the workers' periodic loop."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -16,6 +15,7 @@ from tests.conftest import AgentFactory, WorkerPool, liveness_key, turn
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.records import MessageRecord
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.cli import common
 from threadline.workers.cli import main as cli
@@ -133,26 +133,51 @@ def test_busy_another_tenants_and_bad_ids_change_nothing(workers: WorkerPool, cl
     assert not client.redis.exists(k.turn(running), k.events(running))
 
 
+#: How long the "old" conversations have been idle, by their own records (rewritten by the test):
+#: far beyond the retention, which is far beyond anything a loaded machine adds to the fresh one's age.
+IDLE_S = 3600.0
+RETENTION_DAYS = 0.01  # 864 s
+
+
+def age_message_rows(client: Client, conversation_id: str, by_s: float) -> None:
+    """Make the conversation's messages `by_s` older, as the backfill reads them (their `updated_at`)."""
+    key = client.keys.messages(conversation_id)
+    for message_id, raw in client.redis.hgetall(key).items():
+        row = MessageRecord.model_validate_json(raw)
+        older = row.model_copy(update={"created_at": row.created_at - by_s, "updated_at": row.updated_at - by_s})
+        client.redis.hset(key, message_id, older.model_dump_json())
+
+
+def age_activity(client: Client, conversation_id: str, by_s: float) -> None:
+    """Move the conversation's last activity (its score in the activity index) `by_s` back."""
+    score = client.redis.zscore(client.keys.activity(), conversation_id)
+    assert score is not None, conversation_id
+    client.redis.zadd(client.keys.activity(), {conversation_id: score - by_s}, xx=True)
+
+
 def test_retention_deletes_idle_conversations_and_keeps_fresh_ones(isolated: Any, redis_url: str) -> None:
-    pool: WorkerPool = isolated(env={"TL_RETENTION_DAYS": "0.00002", "TL_WATCHDOG_S": "0.5"})
+    """Idle an hour (their records say so: the test moves their times back instead of waiting), the
+    old ones go at the next sweep; the fresh one, seconds old, stays."""
+    pool: WorkerPool = isolated(env={"TL_RETENTION_DAYS": str(RETENTION_DAYS), "TL_WATCHDOG_S": "0.5"})
     client = Client(redis_url, prefix=pool.prefix)
     agent = f"agent-{uuid.uuid4().hex[:8]}"
     client.put_agent(AgentConfig.model_validate({"id": agent, "model": "offline:echo"}))
-    # stored while retention was off (no index entry): the first pass puts it in the index
+    # stored while retention was off (no index entry), its last message an hour ago: the first pass
+    # puts it in the index
     legacy = f"c-legacy-{uuid.uuid4().hex[:8]}"
     client.import_conversation(conversation_id=legacy, tenant_id="t1", app_id="app", user_id="u1", agent_id=agent,
                                turns=[("q", "a", None)])
     client.redis.zrem(client.keys.activity(), legacy)
+    age_message_rows(client, legacy, IDLE_S)
     pool.start()
     old, _ = run(client, agent, ["an old question"])
     imported = f"c-imported-{uuid.uuid4().hex[:8]}"
     client.import_conversation(conversation_id=imported, tenant_id="t1", app_id="app", user_id="u1", agent_id=agent,
                                turns=[("q", "a", None)])
-    assert client.redis.zscore(client.keys.activity(), old) is not None
-    time.sleep(1.0)  # retention is about time: the fresh conversation is this much younger
     fresh, _ = run(client, agent, ["a fresh question"])
-    # retention ≈ 1.7 s, swept every 0.5 s: the old ones go within ~2.3 s, the fresh one is younger
-    wait_until(lambda: all(client.conversation(c) is None for c in (old, imported, legacy)), timeout_s=5)
+    for conversation in (old, imported):  # their turn has ended: nothing moves their activity again
+        age_activity(client, conversation, IDLE_S)
+    wait_until(lambda: all(client.conversation(c) is None for c in (old, imported, legacy)), timeout_s=30)
     assert client.conversation(fresh) is not None
     assert client.redis.zscore(client.keys.activity(), old) is None
     assert not client.redis.exists(*client.keys.conversation_keys(old))

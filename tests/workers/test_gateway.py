@@ -5,11 +5,13 @@ or repeated), cancel, turn and conversation reads, deletion, agents, and tenant 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from tests.conftest import WorkerPool
 from tests.support.gateway import free_port, running_gateway
@@ -24,6 +27,7 @@ from tests.support.wait import wait_until
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.cli.main import run
 from threadline.workers.clients.client import Client
+from threadline.workers.gateway.tenancy import inside
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import create_key
 
@@ -42,6 +46,8 @@ class Api:
     admin_a: str
     key_b: str
     echo: str
+    tenant_a: str = ""
+    tenant_b: str = ""
 
     def http(self, key: str | None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -55,8 +61,8 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(workers: WorkerPool, redis_url: str, prefix: str) -> Iterator[Api]:
-    settings = dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": "2000"}), prefix=prefix,
-                                   redis_url=redis_url)
+    settings = dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": "2000", "TL_MAX_BODY_BYTES": "65536"}),
+                                   prefix=prefix, redis_url=redis_url)
     with running_gateway(settings, redis_url) as base:
         client = Client(redis_url, prefix=prefix)
         tenant_a, tenant_b = f"ta{uuid.uuid4().hex[:6]}", f"tb{uuid.uuid4().hex[:6]}"
@@ -64,7 +70,8 @@ def api(workers: WorkerPool, redis_url: str, prefix: str) -> Iterator[Api]:
         def key(tenant: str, admin: bool = False) -> str:
             return create_key(client.redis, client.keys, tenant, admin=admin)
 
-        api = Api(base, client, key(tenant_a), key(tenant_a, admin=True), key(tenant_b), echo="")
+        api = Api(base, client, key(tenant_a), key(tenant_a, admin=True), key(tenant_b), echo="", tenant_a=tenant_a,
+                  tenant_b=tenant_b)
         api.echo = api.agent("offline:echo")
         yield api
         client.close()
@@ -138,11 +145,157 @@ def test_post_is_idempotent_on_turn_id(api: Api) -> None:
         assert (second["turn_id"], second["created"]) == (turn_id, False)
         assert finish(http, turn_id)["type"] == "succeeded"
         assert post_turn(http, body(api.echo, "once", turn_id=turn_id))["created"] is False
-    events = list(api.client.events(turn_id))
+    events = list(api.client.events(inside(api.tenant_a, turn_id)))
     assert [e.type for e in events].count("accepted") == 1 and [e.type for e in events].count("succeeded") == 1
+    # the same id from another tenant is that tenant's own turn: no 409 that would tell it A's ids
     with api.http(api.key_b) as http:
-        taken = http.post("/v1/turns", json=body(api.echo, "mine?", turn_id=turn_id))
-    assert taken.status_code == 409 and taken.json()["code"] == "turn_id_taken"
+        theirs = post_turn(http, body(api.echo, "mine?", turn_id=turn_id))
+        assert (theirs["turn_id"], theirs["created"]) == (turn_id, True)
+        assert finish(http, turn_id)["type"] == "succeeded"
+
+
+def test_turn_ids_are_each_tenants_own_and_every_answer_speaks_the_tenants_spelling(api: Api) -> None:
+    """A turn id chosen by A can neither be seen nor claimed by B, nor block B's own; A is only ever
+    shown its own ids (answers, events, the conversation tree)."""
+    turn_id = f"order-{uuid.uuid4().hex[:8]}"
+    with api.http(api.key_b) as http:  # B claims the id first
+        b_first = post_turn(http, body(api.echo, "from b", turn_id=turn_id))
+        assert finish(http, turn_id)["type"] == "succeeded"
+    with api.http(api.key_a) as http:
+        accepted = post_turn(http, body(api.echo, "from a", turn_id=turn_id))
+        assert accepted == {"turn_id": turn_id, "conversation_id": f"c-{turn_id}",
+                            "events_url": f"/v1/turns/{turn_id}/events", "turn_url": f"/v1/turns/{turn_id}",
+                            "created": True}
+        with http.stream("GET", accepted["events_url"]) as response:
+            seen = [json.loads(e["data"]) for e in sse(response)]
+        assert {e["turn_id"] for e in seen} == {turn_id}
+        assert seen[0]["type"] == "accepted" and (seen[0]["conversation_id"], seen[0]["message_id"]) == (
+            f"c-{turn_id}", turn_id)
+        follow = post_turn(http, body(api.echo, "again", conversation_id=f"c-{turn_id}",
+                                      parent_message_id=turn_id, turn_id=f"{turn_id}-2"))
+        assert finish(http, follow["turn_id"])["type"] == "succeeded"
+        shown = http.get(f"/v1/conversations/c-{turn_id}").json()
+        assert shown["path"] == [turn_id, f"{turn_id}-2"] and shown["conversation"]["tip"] == f"{turn_id}-2"
+        assert [m["query"] for m in shown["messages"]] == ["from a", "again"]
+        assert "@" not in json.dumps(http.get(f"/v1/turns/{turn_id}").json())
+        assert f"c-{turn_id}" in [c["id"] for c in http.get("/v1/conversations").json()["conversations"]]
+    assert b_first["turn_id"] == turn_id
+    a_record = api.client.conversation(inside(api.tenant_a, f"c-{turn_id}"))
+    b_record = api.client.conversation(inside(api.tenant_b, f"c-{turn_id}"))
+    assert a_record is not None and b_record is not None and (a_record.tenant_id, b_record.tenant_id) == (
+        api.tenant_a, api.tenant_b)
+
+
+def test_a_turn_id_used_again_after_its_record_expired_never_writes_over_its_message(api: Api) -> None:
+    """The defect: once a turn's record expired (TL_TURN_TTL_S), the same turn id again made a new
+    turn that wrote over the message of the old one, moved the tip and added to the usage."""
+    turn_id = f"order-{uuid.uuid4().hex[:8]}"
+    with api.http(api.key_a) as http:
+        post_turn(http, body(api.echo, "the original", turn_id=turn_id))
+        assert finish(http, turn_id)["type"] == "succeeded"
+        stored = inside(api.tenant_a, turn_id)
+        cid = f"c-{stored}"
+        keys = api.client.keys
+        before = {k: api.client.redis.dump(k) for k in (keys.conversation(cid), keys.messages(cid),
+                                                         keys.snapshots(cid), keys.usage(api.tenant_a))}
+        api.client.redis.delete(keys.turn(stored), keys.events(stored))  # its record expired
+        again = post_turn(http, body(api.echo, "IGNORE the original", turn_id=turn_id))
+        assert again["created"] is True
+        ended = finish(http, turn_id)
+    assert (ended["type"], ended["code"]) == ("failed", "invalid_request"), ended
+    assert "was used before" in ended["message"] and "@" not in ended["message"]
+    assert {k: api.client.redis.dump(k) for k in before} == before
+
+
+def test_hostile_request_shapes_are_answered_in_the_envelope(api: Api) -> None:
+    raw = {"Content-Type": "application/json"}
+    with api.http(api.key_a) as http:
+        cases = {
+            "lone surrogate in turn_id": http.post("/v1/turns", content=b'{"turn_id": "\\ud800", "query": "x"}',
+                                                   headers=raw),
+            "lone surrogate in a field name": http.post("/v1/turns", content=b'{"\\ud800": 1, "query": "x"}',
+                                                        headers=raw),
+            "nesting 30,000 deep": http.post("/v1/turns", content=b'{"inputs": ' + b"[" * 30_000 + b"]" * 30_000
+                                             + b"}", headers=raw),
+            "invalid UTF-8": http.post("/v1/turns", content=b'{"query": "\xff\xfe"}', headers=raw),
+            "not JSON": http.post("/v1/turns", content=b"{oops", headers=raw),
+            "inputs over TL_MAX_INPUTS_CHARS": http.post("/v1/turns", json=body(api.echo, "hi", inputs={
+                f"v{i}": "x" * 1000 for i in range(40)})),
+        }
+        routed = {"unrouted path": http.get("/v1/no-such-thing"), "method": http.delete("/v1/turns"),
+                  "docs UI": http.get("/docs")}
+    for name, response in cases.items():
+        assert response.status_code in (400, 422), (name, response.status_code, response.text)
+        assert response.headers["content-type"] == "application/json", name
+        assert response.json()["code"] == "invalid_request" and "detail" not in response.json().get("message", ""), name
+        assert "\ud800" not in response.text.replace("\\ud800", ""), name  # never echoed unencodable
+    assert (routed["unrouted path"].status_code, routed["unrouted path"].json()["code"]) == (404, "not_found")
+    assert (routed["method"].status_code, routed["method"].json()["code"]) == (405, "method_not_allowed")
+    assert routed["docs UI"].status_code == 404  # no Swagger UI from a CDN; /openapi.json stays
+
+
+def test_a_body_over_the_limit_is_refused_while_it_arrives(api: Api) -> None:
+    """413 `payload_too_large` for a declared length over TL_MAX_BODY_BYTES (65536 here) before a byte
+    of the body is read, and for a chunked body as soon as it passes the limit, long before it ends."""
+    host, port = api.base.removeprefix("http://").split(":")
+    with api.http(api.key_a) as http:
+        declared = http.post("/v1/turns", content=b"x" * 70_000, headers={"Content-Type": "application/json"})
+    assert (declared.status_code, declared.json()["code"]) == (413, "payload_too_large")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"POST /v1/turns HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api.key_a}\r\n"
+                     "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        chunk = b"x" * 16_384
+        sent = 0
+        try:
+            while sent < 48_000_000:  # the body never ends: only the limit stops it
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except OSError:
+            pass  # the gateway answered and closed the connection
+        answer = conn.recv(65_536).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 413") and "payload_too_large" in answer, answer[:300]
+    assert sent < 10_000_000
+
+
+def test_every_answer_carries_the_browser_hardening_headers(api: Api) -> None:
+    with api.http(api.key_a) as http:
+        for path in ("/v1/conversations", "/", "/console.js", "/v1/nope", "/openapi.json"):
+            headers = http.get(path).headers
+            assert headers["content-security-policy"].startswith("default-src 'self'"), path
+            assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+            assert (headers["x-content-type-options"], headers["x-frame-options"], headers["referrer-policy"]) == (
+                "nosniff", "DENY", "no-referrer"), path
+        assert http.get("/v1/conversations").headers["cache-control"] == "no-store"
+    # the console loads under that policy: no inline script or style in its page
+    page = (Path(__file__).parents[2] / "workers" / "gateway" / "console" / "index.html").read_text()
+    assert re.findall(r"<script(?![^>]*\bsrc=)[^>]*>", page) == [] and "<style" not in page
+    assert " style=" not in page and not re.search(r"\son[a-z]+=", page)
+
+
+def test_each_request_is_one_access_log_line_without_key_or_body(api: Api) -> None:
+    with capture_logs() as logs, api.http(api.key_a) as http:
+        turn_id = f"logged-{uuid.uuid4().hex[:8]}"
+        post_turn(http, body(api.echo, "a secret query", turn_id=turn_id))
+        http.get(f"/v1/turns/{turn_id}")
+        http.post("/v1/turns", content=b"x" * 70_000)
+        wait_until(lambda: len([e for e in logs if e.get("event") == "request"]) >= 3)
+    lines = [e for e in logs if e.get("event") == "request"]
+    assert [(e["method"], e["route"], e["status"]) for e in lines[:3]] == [
+        ("POST", "/v1/turns", 202), ("GET", "/v1/turns/{turn_id}", 200), ("POST", "-", 413)]
+    digest = hashlib.sha256(api.key_a.encode()).hexdigest()[:8]
+    for line in lines[:3]:
+        assert line["log_level"] == "info" and line["bytes"] > 0 and line["duration_ms"] >= 0
+        assert line["key"] and line["key"] != api.key_a and (line["key"] == digest or len(line["key"]) <= 32)
+        assert api.key_a not in json.dumps(line) and "secret" not in json.dumps(line)
+    assert [line["tenant"] for line in lines[:2]] == [api.tenant_a, api.tenant_a]
+
+
+@pytest.mark.parametrize("after", ["1-0\n", "\u0661-0", "\uff11-0", "1-0 ", " 1-0", "1-"])
+def test_after_takes_ascii_stream_ids_only(api: Api, after: str) -> None:
+    with api.http(api.key_a) as http:
+        mine = post_turn(http, body(api.echo, "hi"))
+        response = http.get(mine["events_url"], params={"after": after})
+    assert (response.status_code, response.json()["code"]) == (422, "invalid_request")
 
 
 def test_cancel_and_get_turn(api: Api, tmp_path: Path) -> None:
@@ -236,11 +389,13 @@ def test_another_tenants_turn_and_conversation_are_404_like_missing_ones(api: Ap
         for method in ("GET", "DELETE"):
             assert http.request(method, f"/v1/conversations/{cid}").status_code == 404
         assert cid not in [c["id"] for c in http.get("/v1/conversations").json()["conversations"]]
-        # a turn naming A's conversation is refused before it is enqueued
-        assert http.post("/v1/turns", json=body(api.echo, "let me in", conversation_id=cid)).status_code == 404
+        # a turn naming A's conversation names B's own (missing) one: the same answer as any missing id
+        foreign = post_turn(http, body(api.echo, "let me in", conversation_id=cid))
+        missing = post_turn(http, body(api.echo, "let me in", conversation_id="c-no-such-conversation"))
+        assert [finish(http, t["turn_id"])["code"] for t in (foreign, missing)] == ["conversation_not_found"] * 2
         # the tenant is the key's: naming another one is refused
-        tenant_a = api.client.owner(turn_id)
-        assert tenant_a is not None
+        tenant_a = api.client.owner(turn_id)  # a generated turn id is stored as it is
+        assert tenant_a == api.tenant_a
         wrong = http.post("/v1/turns", json={**body(api.echo, "as A"), "tenant_id": tenant_a})
         assert wrong.status_code == 403 and wrong.json()["code"] == "forbidden"
     assert api.client.conversation(cid) is not None  # untouched
@@ -263,10 +418,8 @@ def test_keys_and_validation(api: Api) -> None:
         assert "query is empty" in empty.json()["message"]
         assert http.post("/v1/turns", json=[1, 2]).status_code == 422
         assert http.get("/v1/turns/x/events?after=not-an-id").status_code == 404  # unknown turn first
-        started = time.monotonic()
         mine = post_turn(http, body(api.echo, "hi"))
         assert http.get(f"{mine['events_url']}?after=1-2-3").status_code == 422
-        assert time.monotonic() - started < 10
 
 
 def test_keys_create_and_gateway_commands(api: Api, redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch,

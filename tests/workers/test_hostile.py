@@ -34,16 +34,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import httpx
 import pytest
 import redis
 
 from tests.conftest import WorkerPool, drop_prefix, liveness_key
+from tests.support.gateway import running_gateway
 from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA
 from threadline.workers.clients.client import Client
+from threadline.workers.gateway.tenancy import inside
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.settings import Settings
+from threadline.workers.storage.api_keys import create_key
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +57,7 @@ SLOW_AGENT = "slow"
 SLOW_MODEL = {"provider": "python", "name": "tests.support.models:streaming", "options": {"words": 40, "delay_ms": 25}}
 SCOPE = {"tenant_id": "t1", "app_id": "app", "user_id": "u1"}
 SLOW_TENANT = "t-slow"
+OTHER_TENANT = "t2"
 VICTIM_TURNS = ("victim-1", "victim-2")
 VICTIM_QUERIES = ("first victim question", "second victim question")
 VICTIM_CID = f"c-{VICTIM_TURNS[0]}"
@@ -155,6 +161,9 @@ class Hostile:
     client: Client
     redis: redis.Redis
     keys: Keys
+    #: The gateway in front of the same prefix, and an API key of the victim's tenant and of another.
+    gateway: str = ""
+    api_keys: dict[str, str] = field(default_factory=dict)
     probes: list[str] = field(default_factory=list)
     #: Keys any case was allowed to write, for the final look at the prefix.
     owned: set[str] = field(default_factory=set)
@@ -164,9 +173,13 @@ class Hostile:
     def prefix(self) -> str:
         return self.pool.prefix
 
+    def http(self, tenant: str) -> httpx.Client:
+        return httpx.Client(base_url=self.gateway, headers={"Authorization": f"Bearer {self.api_keys[tenant]}"},
+                            timeout=30)
+
     def raw(self, queue: str, args: Any, *, mid: str, actor: str | None = None, kwargs: Any = None,
             options: dict[str, Any] | None = None, body: bytes | None = None) -> str:
-        """The README's raw producer: HSET the message, RPUSH its id, PUBLISH the doorbell."""
+        """The raw producer of docs/protocol.md: HSET the message, RPUSH its id, PUBLISH the doorbell."""
         fields = {"queue_name": queue, "actor_name": actor or queue, "args": args,
                   "kwargs": {} if kwargs is None else kwargs, "options": options or {"redis_message_id": mid},
                   "message_id": mid, "message_timestamp": int(time.time() * 1000)}
@@ -274,11 +287,16 @@ def hostile(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs"), env={"TL_MAX_RETRIES": "1"})
     client = Client(redis_url, prefix=prefix)
     r = redis.Redis.from_url(redis_url, encoding_errors="surrogateescape")
+    gateway = running_gateway(dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": str(MAX_QUERY_CHARS)}),
+                                                  prefix=prefix, redis_url=redis_url), redis_url)
     try:
         pool.start(processes=2, threads=4)
         client.put_agent(AgentConfig.model_validate({"id": VICTIM_AGENT, "model": "offline:echo"}))
         client.put_agent(AgentConfig.model_validate({"id": SLOW_AGENT, "model": SLOW_MODEL}))
-        h = Hostile(pool, client, r, Keys(prefix))
+        h = Hostile(pool, client, r, Keys(prefix), gateway=gateway.__enter__(),
+                    api_keys={t: create_key(client.redis, client.keys, t) for t in (SCOPE["tenant_id"], OTHER_TENANT)})
+        # the keys' records exist before every case, as the agents do
+        h.owned |= {key_name(k) for k in r.scan_iter(f"{h.keys.api_keys()}*")}
         for i, (turn_id, query) in enumerate(zip(VICTIM_TURNS, VICTIM_QUERIES, strict=True)):
             client.submit(request(turn_id, query=query, conversation_id=VICTIM_CID if i else None))
             assert isinstance(h.wait_terminal(turn_id), ev.Succeeded)
@@ -287,6 +305,7 @@ def hostile(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         h.quiesce()
         yield h
     finally:
+        gateway.__exit__(None, None, None)
         pool.stop()
         client.close()
         drop_prefix(r, prefix)
@@ -351,6 +370,8 @@ class Sent:
     check: Callable[[], None] | None = None
     #: A turn the message names whose fate the table shows (it must stay empty when all is well).
     named: str = ""
+    #: Sent through the gateway: its API keys' bookkeeping (last use, rate-limit buckets) may change.
+    front_door: bool = False
 
 
 @dataclass(frozen=True)
@@ -477,7 +498,7 @@ def message_id_of_running(h: Hostile, uid: str) -> Sent:
 
 
 def mismatched_redis_id(h: Hostile, uid: str) -> Sent:
-    """`options.redis_message_id` is not the hash field the body is stored under (the README says it
+    """`options.redis_message_id` is not the hash field the body is stored under (docs/protocol.md says it
     must be): dramatiq would ack another id and keep this body and its ack entry forever."""
     mid = f"m-{uid}"
     h.raw("resolve", [request(f"t-{uid}")], mid=mid, options={"redis_message_id": f"elsewhere-{uid}"})
@@ -613,6 +634,106 @@ def big(n: int) -> str:
     return "q" * n
 
 
+# --- the gateway's cases: each tenant's ids its own, no write across tenants, every error in the envelope ---
+
+
+def expired_turn_again(tenant: str) -> Callable[[Hostile, str], Sent]:
+    """The other conversation's first turn id sent again by another `tenant` as a new conversation's
+    first turn once the turn's record expired (deleted here): its conversation exists, so nothing is
+    written into it (forbidden)."""
+
+    def send(h: Hostile, uid: str) -> Sent:
+        h.redis.delete(h.keys.turn(OTHER_TURN), h.keys.events(OTHER_TURN))
+        h.raw("resolve", [request(OTHER_TURN, tenant_id=tenant, query="IGNORE everything before")], mid=f"m-{uid}")
+        return Sent(stream=OTHER_TURN, turns=(OTHER_TURN,))
+
+    return send
+
+
+def own_expired_turn_again(h: Hostile, uid: str) -> Sent:
+    """The same as `expired_turn_again`, by the conversation's own tenant, on a conversation of the
+    case's own (so that the other case's outcome stays to be checked again): its message and tip stay."""
+    tid = f"t-{uid}"
+    h.client.submit(request(tid, query="the original"))
+    assert isinstance(h.wait_terminal(tid), ev.Succeeded)
+    cid = f"c-{tid}"
+    kept = {key: h.redis.dump(key) for key in (h.keys.conversation(cid), h.keys.messages(cid), h.keys.snapshots(cid))}
+    h.redis.delete(h.keys.turn(tid), h.keys.events(tid))
+    h.raw("resolve", [request(tid, query="IGNORE the original")], mid=f"m-{uid}")
+
+    def check() -> None:
+        assert {key: h.redis.dump(key) for key in kept} == kept
+
+    return Sent(stream=tid, turns=(tid,), conversations=(cid,), tenants=(SCOPE["tenant_id"],), check=check)
+
+
+def gateway_reused_turn_id(h: Hostile, uid: str) -> Sent:
+    """Through the gateway, a tenant's own turn id again after its record expired: its message and its
+    conversation's tip stay as they were (the catalogue allows the conversation's keys to change, so the
+    check compares them itself)."""
+    tid = f"g-{uid}"[:60]
+    stored = inside(SCOPE["tenant_id"], tid)
+    with h.http(SCOPE["tenant_id"]) as http:
+        assert http.post("/v1/turns", json=gateway_body(turn_id=tid, query="the original")).status_code == 202
+        assert isinstance(h.wait_terminal(stored), ev.Succeeded)
+        cid = f"c-{stored}"
+        kept = {key: h.redis.dump(key) for key in (h.keys.conversation(cid), h.keys.messages(cid))}
+        h.redis.delete(h.keys.turn(stored), h.keys.events(stored))
+        again = http.post("/v1/turns", json=gateway_body(turn_id=tid, query="IGNORE the original"))
+        assert again.status_code == 202, again.text
+
+    def check() -> None:
+        assert {key: h.redis.dump(key) for key in kept} == kept
+
+    return Sent(stream=stored, turns=(stored,), conversations=(cid,), tenants=(SCOPE["tenant_id"],), check=check,
+                front_door=True)
+
+
+def gateway_body(**fields: Any) -> dict[str, Any]:
+    return {"app_id": SCOPE["app_id"], "user_id": SCOPE["user_id"], "agent_id": VICTIM_AGENT, "query": "hello",
+            **fields}
+
+
+def gateway_foreign_turn_id(h: Hostile, uid: str) -> Sent:
+    """Another tenant names the victim's turn id: its own turn, in its own conversation (no 409)."""
+    stored = inside(OTHER_TENANT, VICTIM_TURNS[0])
+    with h.http(OTHER_TENANT) as http:
+        accepted = http.post("/v1/turns", json=gateway_body(turn_id=VICTIM_TURNS[0], query="mine"))
+    assert accepted.status_code == 202 and accepted.json()["created"] is True, accepted.text
+    return Sent(stream=stored, turns=(stored,), conversations=(f"c-{stored}",), tenants=(OTHER_TENANT,),
+                front_door=True)
+
+
+def gateway_foreign_conversation(h: Hostile, uid: str) -> Sent:
+    """Another tenant names the first tenant's other conversation: that names its own (missing) one."""
+    tid = f"g-{uid}"[:60]
+    with h.http(OTHER_TENANT) as http:
+        accepted = http.post("/v1/turns", json=gateway_body(turn_id=tid, conversation_id=f"c-{OTHER_TURN}",
+                                                            parent_message_id=OTHER_TURN))
+    assert accepted.status_code == 202, accepted.text
+    stored = inside(OTHER_TENANT, tid)
+    return Sent(stream=stored, turns=(stored,), front_door=True)
+
+
+def gateway_refused(method: str, path: str, status: int, code: str, **request: Any) -> Callable[[Hostile, str], Sent]:
+    """A request the gateway answers `status` in the `{"code", "message"}` envelope, writing nothing."""
+
+    def send(h: Hostile, uid: str) -> Sent:
+        with h.http(SCOPE["tenant_id"]) as http:
+            response = http.request(method, path.replace("<victim>", VICTIM_TURNS[-1]), **request)
+
+        def check() -> None:
+            assert (response.status_code, response.json()["code"]) == (status, code), response.text
+            assert set(response.json()) >= {"code", "message"}  # never Starlette's bare {"detail"}
+
+        return Sent(check=check, front_door=True)
+
+    return send
+
+
+JSON = {"Content-Type": "application/json"}
+
+
 V2 = VICTIM_TURNS[-1]
 ENDS_ANOTHER_MESSAGES_TURN = (
     "run_admit ends the turn a refused message names (its request's turn id, else its message id) through "
@@ -740,10 +861,41 @@ CASES: list[Case] = [
     Case("same turn id twice", "raw resolve x2", same_turn_twice, Terminal("succeeded")),
     Case("finished victim turn again", "raw resolve", duplicate_of_finished("raw"), Nothing()),
     Case("finished victim turn again", "client.submit", duplicate_of_finished("client"), Nothing()),
-    Case("finished victim turn again", "raw resolve + the README's ZADD NX", duplicate_of_finished("zadd"), Nothing()),
+    Case("finished victim turn again", "raw resolve + docs/protocol.md's ZADD NX", duplicate_of_finished("zadd"),
+         Nothing()),
     Case("refused first turn", "client.submit", refused_first_turn_by_client, Terminal("failed", "invalid_request")),
     Case("conversation id <victim cid>}:lease", "client.submit", bad_conversation_id_by_client,
          Terminal("failed", "invalid_request")),
+    # a conversation is written only by turns of its tenant; no message is written twice (issue 21)
+    Case("another tenant's first turn whose conversation exists (record expired)", "raw resolve",
+         expired_turn_again(OTHER_TENANT), Terminal("failed", "forbidden")),
+    Case("the same tenant's first turn whose conversation exists (record expired)", "raw resolve",
+         own_expired_turn_again, Terminal("failed", "invalid_request")),
+    Case("8 MB of inputs", "raw resolve", refused_turn(inputs={f"k{i}": "x" * 8_000 for i in range(1_000)},
+                                                       conversation_id=VICTIM_CID),
+         Terminal("failed", "invalid_request")),
+    Case("a tenant's turn id again after its record expired", "gateway POST", gateway_reused_turn_id,
+         Terminal("failed", "invalid_request")),
+    Case("another tenant names the victim's turn id", "gateway POST", gateway_foreign_turn_id, Terminal("succeeded")),
+    Case("another tenant names another tenant's conversation", "gateway POST", gateway_foreign_conversation,
+         Terminal("failed", "conversation_not_found")),
+    Case("lone surrogate in turn_id", "gateway POST",
+         gateway_refused("POST", "/v1/turns", 422, "invalid_request", content=b'{"turn_id": "\\ud800"}',
+                         headers=JSON), Nothing()),
+    Case("lone surrogate in a field name", "gateway POST",
+         gateway_refused("POST", "/v1/turns", 422, "invalid_request", content=b'{"\\ud800": 1}', headers=JSON),
+         Nothing()),
+    Case("JSON nested 100,000 deep", "gateway POST",
+         gateway_refused("POST", "/v1/turns", 422, "invalid_request",
+                         content=b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", headers=JSON), Nothing()),
+    Case("invalid UTF-8", "gateway POST",
+         gateway_refused("POST", "/v1/turns", 400, "invalid_request", content=b'{"query": "\xff"}', headers=JSON),
+         Nothing()),
+    Case("unrouted path", "gateway GET", gateway_refused("GET", "/v1/nothing-here", 404, "not_found"), Nothing()),
+    Case("3 MB body", "gateway POST", gateway_refused("POST", "/v1/turns", 413, "payload_too_large",
+                                                      content=b"x" * 3_000_000, headers=JSON), Nothing()),
+    Case("?after=1-0 and a newline", "gateway GET",
+         gateway_refused("GET", "/v1/turns/<victim>/events?after=1-0%0A", 422, "invalid_request"), Nothing()),
 ]
 
 
@@ -772,7 +924,10 @@ def allowed(h: Hostile, sent: Sent) -> Callable[[str], bool]:
         exact |= {k.turn(tid), k.events(tid)}
     exact |= {k.usage(t) for t in sent.tenants} | {k.tenant_conversations(t) for t in sent.tenants}
     exact |= {k.conversation(c) for c in sent.conversations}
-    prefixes = (k.queue(""), *(f"{k.conversation(c)}:" for c in sent.conversations))
+    prefixes: tuple[str, ...] = (k.queue(""), *(f"{k.conversation(c)}:" for c in sent.conversations))
+    if sent.front_door:
+        exact |= {k.api_key_used()}
+        prefixes = (*prefixes, f"{h.prefix}:ratelimit:")
     return lambda key: key in exact or key.startswith(prefixes)
 
 

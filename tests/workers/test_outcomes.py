@@ -17,7 +17,9 @@ import pytest
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest, ModelResponse, ToolReturnPart
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool, turn
+from tests.support.clocks import stamped, turn_times
 from tests.support.turns import all_events, assert_one_terminal, python_model, records, wait_for_event
+from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id
@@ -27,6 +29,8 @@ from threadline.workers.clients.client import Client
 pytestmark = pytest.mark.integration
 
 SECRET = "INSTRUCTION-MARKER-7f3a: never store me"
+#: The slow tool's sleep: far longer than a cancel takes on any machine, so it is the cancel that ends it.
+TOOL_S = 120
 
 
 def conversation_of(terminal: ev.Terminal) -> str:
@@ -114,47 +118,59 @@ def test_transient_errors_give_up_after_bounded_attempts(
 def test_cancel_mid_stream_stops_the_model_and_keeps_the_partial_answer(
     workers: WorkerPool, client: Client, make_agent: AgentFactory, tmp_path: Path
 ) -> None:
-    record = tmp_path / "calls.jsonl"
-    agent = make_agent(python_model("streaming", words=400, delay_ms=10, record=str(record)), instructions=SECRET)
+    # the model streams until the test says so: only the cancel can end its first stream
+    record, release = tmp_path / "calls.jsonl", tmp_path / "release"
+    words = 100_000
+    agent = make_agent(python_model("streaming", words=words, delay_ms=10, record=str(record), until=str(release)),
+                       instructions=SECRET)
     turn_id = client.submit(turn(agent, "talk for a long time"))
-    wait_for_event(client, turn_id, "text_delta")
-    time.sleep(0.2)
-    assert client.cancel(turn_id, "user pressed stop") == "enqueued"
-    terminal = client.wait(turn_id, timeout_s=20)
-    assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
+    try:
+        wait_for_event(client, turn_id, "text_delta")
+        assert client.cancel(turn_id, "user pressed stop") == "enqueued"
+        terminal = client.wait(turn_id, timeout_s=60)
+        assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
+        chunks_at_terminal = len([r for r in records(record) if r["event"] == "chunk"])
+        wait_until(lambda: any(r["event"] == "closed" for r in records(record)), timeout_s=30)
+        calls = records(record)
+        assert calls[-1]["event"] == "closed", "the model stream was closed"
+        assert len([r for r in calls if r["event"] == "chunk"]) == chunks_at_terminal < words
+        assert len([r for r in calls if r["event"] == "request"]) == 1
 
-    chunks_at_terminal = len([r for r in records(record) if r["event"] == "chunk"])
-    time.sleep(0.5)
-    calls = records(record)
-    assert calls[-1]["event"] == "closed", "the model stream was closed"
-    assert len([r for r in calls if r["event"] == "chunk"]) == chunks_at_terminal < 400
-    assert len([r for r in calls if r["event"] == "request"]) == 1
-
-    assert_one_terminal(client, turn_id)
-    events = all_events(client, turn_id)
-    streamed = text_of(events)
-    assert streamed and streamed == terminal.answer
-    assert all(not isinstance(e, ev.TextDelta) for e in events[events.index(terminal):])
-    row = client.thread(conversation_of(terminal))[-1]
-    assert (row.status, row.answer) == ("cancelled", streamed)
-    stored = stored_messages(client, conversation_of(terminal), row.id)
-    assert isinstance(stored[-1], ModelResponse) and stored[-1].state == "interrupted"
-    continue_with(client, agent, conversation_of(terminal))
+        assert_one_terminal(client, turn_id)
+        events = all_events(client, turn_id)
+        streamed = text_of(events)
+        assert streamed and streamed == terminal.answer
+        assert all(not isinstance(e, ev.TextDelta) for e in events[events.index(terminal):])
+        row = client.thread(conversation_of(terminal))[-1]
+        assert (row.status, row.answer) == ("cancelled", streamed)
+        stored = stored_messages(client, conversation_of(terminal), row.id)
+        assert isinstance(stored[-1], ModelResponse) and stored[-1].state == "interrupted"
+        # the conversation goes on: the next turn streams, and ends once the test lets it
+        after = client.submit(turn(agent, "next question", conversation_id=conversation_of(terminal)))
+        wait_for_event(client, after, "text_delta")
+        release.touch()
+        assert isinstance(client.wait(after, timeout_s=30), ev.Succeeded)
+    finally:
+        release.touch()
 
 
 def test_cancel_mid_tool_call_closes_the_call_as_interrupted(
     workers: WorkerPool, client: Client, make_agent: AgentFactory
 ) -> None:
     agent = make_agent(
-        python_model("tool_then_answer", tool="slow_tool", args={"seconds": 30}, only_when_asked=True),
+        python_model("tool_then_answer", tool="slow_tool", args={"seconds": TOOL_S}, only_when_asked=True),
         tools=["python:tests.support.models:slow_tool"], instructions=SECRET,
     )
     turn_id = client.submit(turn(agent, "use the tool"))
     wait_for_event(client, turn_id, "tool_call")
-    started = time.monotonic()
     client.cancel(turn_id)
-    terminal = client.wait(turn_id, timeout_s=20)
-    assert isinstance(terminal, ev.Cancelled) and time.monotonic() - started < 5, terminal
+    terminal = client.wait(turn_id, timeout_s=TOOL_S / 2)
+    assert isinstance(terminal, ev.Cancelled), terminal
+    # on the turn's own record: it ended long before the tool could have returned, soon after the request
+    times = turn_times(client, turn_id)
+    tool_called_at = next(at for at, e in stamped(client, turn_id) if isinstance(e, ev.ToolCall))
+    assert times["finished_at"] - tool_called_at < TOOL_S, (times, tool_called_at)
+    assert times["finished_at"] - times["cancel_requested_at"] < 10, times
     row = client.thread(conversation_of(terminal))[-1]
     stored = stored_messages(client, conversation_of(terminal), row.id)
     # the call is stored with its response; the run stopped before any result existed
@@ -294,11 +310,13 @@ def test_no_snapshot_ever_contains_the_instructions(workers: WorkerPool, client:
         assert isinstance(terminal, expected), terminal
         conversations.append(conversation_of(terminal))
 
-    streaming = make_agent(python_model("streaming", words=400, delay_ms=10), instructions=SECRET)
+    # streams until a file nobody creates exists: the cancel ends it, however late it comes
+    streaming = make_agent(python_model("streaming", words=100_000, delay_ms=10, until=str(tmp_path / "never")),
+                           instructions=SECRET)
     turn_id = client.submit(turn(streaming, "talk"))
     wait_for_event(client, turn_id, "text_delta")
     client.cancel(turn_id, "stop")
-    cancelled = client.wait(turn_id, timeout_s=20)
+    cancelled = client.wait(turn_id, timeout_s=60)
     assert isinstance(cancelled, ev.Cancelled), cancelled
     conversations.append(conversation_of(cancelled))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import WorkerPool, turn
+from tests.support.clocks import stamped
 from tests.support.turns import assert_gapless, assert_one_terminal, holder_pid, python_model, records, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -37,15 +38,19 @@ def test_a_worker_killed_mid_stream_with_default_settings_is_taken_over_within_3
     turn_id = client.submit(turn("survivor", "keep going"))
     wait_for_event(client, turn_id, "text_delta")
     victim = next(p for p in pool.procs if p.pid == holder_pid(client, turn_id))
+    killed = time.time()
     victim.send_signal(signal.SIGKILL)
-    killed = time.monotonic()
     victim.wait()
 
-    terminal = client.wait(turn_id, timeout_s=40)
-    took_s = time.monotonic() - killed
+    terminal = client.wait(turn_id, timeout_s=60)
     assert isinstance(terminal, ev.Succeeded) and terminal.attempt == 2, terminal
-    print(f"SIGKILL -> terminal: {took_s:.1f} s")
-    assert took_s <= 30, f"terminal {took_s:.1f} s after the kill"
+    # taken over = attempt 2 of the model stage started on the survivor, on the server's clock: the
+    # default settings' promise (a worker timeout and a watchdog look, ~12 s) without the re-run's
+    # stream, whose length is the machine's speed
+    taken_over_at = next(at for at, e in stamped(client, turn_id)
+                         if isinstance(e, ev.StageEvent) and e.attempt == 2 and e.status == "started")
+    print(f"SIGKILL -> attempt 2 started: {taken_over_at - killed:.1f} s")
+    assert taken_over_at - killed <= 30, f"taken over {taken_over_at - killed:.1f} s after the kill"
     assert terminal.answer.startswith("w0 ") and terminal.answer.strip().endswith("w99")
     seen = assert_gapless(client, turn_id)
     assert len([e for e in seen if isinstance(e, ev.Terminal)]) == 1

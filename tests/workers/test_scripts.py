@@ -26,19 +26,23 @@ from tests.support.script_driver import (
     SECOND,
     STAGES,
     THIRD,
+    Turn,
+    make_request,
     make_turn,
     new_id,
 )
 from threadline.pipeline import events
 from threadline.pipeline.contracts import Envelope, Usage, new_conversation_id
+from threadline.pipeline.errors import ConversationNotFound
 from threadline.pipeline.persist import new_conversation, pending_row
+from threadline.pipeline.resolve import resolve_turn
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.schema import conversation_to_hash
 from threadline.workers.protocol.wire import build_message
 from threadline.workers.storage import lua
 from threadline.workers.storage.store import Store
-from threadline.workers.storage.turns import WAKE_ID, Begin, Next
+from threadline.workers.storage.turns import WAKE_ID, Accept, Begin, Next
 
 SCRIPTS = Path(lua.__file__).parent / "scripts"
 # --- reading back -----------------------------------------------------------------------------------
@@ -420,6 +424,165 @@ async def test_accept_of_a_follow_up_keeps_the_conversation_and_orders_its_row(s
     entries = await store.redis.zrange(index, 0, -1, withscores=True)
     assert first_score is not None and [cid for cid, _ in entries] == [first.cid.encode()]
     assert entries[0][1] > first_score
+
+
+# --- a conversation is written only by turns of its own tenant, and no message twice ---------------------
+
+
+async def finished_turn(store: Store, turn_id: str | None = None) -> Turn:
+    """A turn run to its end, whose record then expired: its conversation and message stay."""
+    t = await make_turn(store, turn_id=turn_id)
+    await t.run_to(LAST)
+    assert await t.finish() == "ok"
+    await store.redis.delete(store.keys.turn(t.id), store.keys.events(t.id))
+    return t
+
+
+async def stranger(store: Store, turn_id: str, *, tenant: str = "t2", conversation_id: str | None = None) -> Turn:
+    """A turn of `tenant` resolved as if its conversation did not exist (what the admit stage did before it
+    looked): only the scripts stand between it and the stored conversation."""
+    req = make_request(turn_id=turn_id, conversation_id=conversation_id).model_copy(update={"tenant_id": tenant})
+    resolved, _ = resolve_turn(req, conversation=None, config=AGENT, config_ref="v1",
+                               new_conversation_id=conversation_id or new_conversation_id(turn_id), now=time.time())
+    return Turn(store, req, resolved)
+
+
+async def admit_as(t: Turn, *, creates: bool) -> tuple[str, str]:
+    return await t.store.admit(t.id, t.cid, now=time.time(), request=t.request, tenant_id=t.req.tenant_id,
+                               creates=creates)
+
+
+@pytest.mark.parametrize(("tenant", "why"), [("t2", "foreign_conversation"), ("t1", "conversation_exists")],
+                         ids=["another-tenant", "the-same-tenant"])
+async def test_admit_of_a_first_turn_whose_conversation_exists_is_refused_and_writes_nothing(
+        store: Store, tenant: str, why: str) -> None:
+    a = await finished_turn(store, turn_id="order-1001")
+    b = await stranger(store, a.id, tenant=tenant)
+    before = await dump(store.redis, store.settings.prefix)
+    assert await admit_as(b, creates=True) == ("refused", why)
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_admit_into_another_tenants_conversation_is_refused_and_writes_nothing(store: Store) -> None:
+    a = await finished_turn(store)
+    b = await stranger(store, new_id(), conversation_id=a.cid)
+    before = await dump(store.redis, store.settings.prefix)
+    assert await admit_as(b, creates=False) == ("refused", "foreign_conversation")
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_admit_of_a_turn_whose_message_id_names_a_row_is_refused(store: Store) -> None:
+    a = await finished_turn(store)
+    follow = await make_turn(store, conversation_id=a.cid)
+    await follow.run_to(LAST)
+    assert await follow.finish() == "ok"
+    await store.redis.delete(store.keys.turn(follow.id))
+    again = await make_turn(store, conversation_id=a.cid, turn_id=follow.id)
+    before = await dump(store.redis, store.settings.prefix)
+    assert await admit_as(again, creates=False) == ("refused", "message_exists")
+    assert await dump(store.redis, store.settings.prefix) == before
+
+
+async def test_admit_of_a_turn_of_the_conversations_own_tenant_goes_on(store: Store) -> None:
+    a = await finished_turn(store)
+    follow = await make_turn(store, conversation_id=a.cid)
+    assert (await admit_as(follow, creates=False))[0] == "admitted"
+
+
+async def hold(t: Turn) -> Turn:
+    """The turn holds its conversation's lease as admit.lua gave it before it looked, and its admit
+    stage has begun: only advance.lua stands in the way of its accept."""
+    k = t.store.keys
+    t.fence = "99"
+    await t.store.redis.hset(k.lease(t.cid), mapping={"turn": t.id, "fence": t.fence})
+    await t.store.redis.hset(k.turn(t.id), mapping={"status": "running", "fence": t.fence, "conversation_id": t.cid})
+    assert (await t.begin(FIRST)).status == "go"
+    return t
+
+
+async def accept_as(t: Turn, *, creates: bool) -> str:
+    """The admit stage's advance (the accept)."""
+    following = DEFAULT_GRAPH.next(FIRST)
+    assert following is not None
+    return await t.store.advance(
+        t.id, FIRST, next_=Next(following.name, Envelope(turn_id=t.id, stage=following.name).model_dump(), new_id("m")),
+        now=time.time(), now_ms=int(time.time() * 1000), artifact=t.resolved.model_dump_json(), fence=t.fence,
+        conversation_id=t.cid, accept=Accept(new_conversation(t.resolved), pending_row(t.resolved),
+                                             t.resolved.accepted_at + t.resolved.deadline_s, creates=creates))
+
+
+@pytest.mark.parametrize(("tenant", "why"), [("t2", "foreign_conversation"), ("t1", "conversation_exists")],
+                         ids=["another-tenant", "the-same-tenant"])
+async def test_accept_of_a_first_turn_whose_conversation_exists_writes_nothing(store: Store, tenant: str,
+                                                                                why: str) -> None:
+    """The defect: a turn id reused after its record expired made the new turn write over the old message,
+    move the tip and count the usage, whichever tenant sent it."""
+    a = await finished_turn(store, turn_id="order-1001")
+    b = await hold(await stranger(store, a.id, tenant=tenant))
+    conversation = [k for k in (await dump(store.redis, store.settings.prefix)) if k.startswith(
+        store.keys.conversation(a.cid))]
+    before = await dump(store.redis, store.settings.prefix)
+    assert await accept_as(b, creates=True) == why
+    after = await dump(store.redis, store.settings.prefix)
+    assert {k: after.get(k) for k in conversation} == {k: before[k] for k in conversation}
+    assert not (await store.turn_state(b.id)).message_id and f"done:{FIRST}" not in await hash_of(
+        store, store.keys.turn(b.id))
+
+
+async def test_accept_into_another_tenants_conversation_or_over_a_row_writes_nothing(store: Store) -> None:
+    a = await finished_turn(store)
+    foreign = await hold(await stranger(store, new_id(), conversation_id=a.cid))
+    before = await hash_of(store, store.keys.conversation(a.cid))
+    assert await accept_as(foreign, creates=False) == "foreign_conversation"
+    assert await foreign.end("failed", code="forbidden") == "ok"
+    reused = await hold(await stranger(store, a.id, tenant="t1", conversation_id=a.cid))
+    assert await accept_as(reused, creates=False) == "message_exists"
+    assert await hash_of(store, store.keys.conversation(a.cid)) == before
+    row = await store.redis.hget(store.keys.messages(a.cid), a.id)
+    assert row is not None and json.loads(row)["status"] == "succeeded"
+
+
+async def test_accept_again_past_the_done_marker_is_still_its_own(store: Store) -> None:
+    t = await hold(await make_turn(store))
+    assert await accept_as(t, creates=True) == "ok"
+    await store.redis.hdel(store.keys.turn(t.id), f"done:{FIRST}")
+    following = DEFAULT_GRAPH.next(FIRST)
+    assert following is not None
+    assert await store.advance(
+        t.id, FIRST, next_=Next(following.name, {}, new_id("m")), now=time.time(), now_ms=int(time.time() * 1000),
+        artifact="x", fence=t.fence, conversation_id=t.cid,
+        accept=Accept(new_conversation(t.resolved), pending_row(t.resolved), time.time() + 60, creates=True)) == "ok"
+
+
+async def test_finish_into_a_conversation_of_another_tenant_ends_the_turn_failed_without_a_row(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    k = store.keys
+    await store.redis.hset(k.conversation(t.cid), "tenant_id", "t2")  # the conversation is someone else's now
+    # what the conversation holds (its line, lease and waiting requests are the turn's own to leave)
+    held = (k.conversation(t.cid), k.messages(t.cid), k.message_order(t.cid), k.snapshots(t.cid))
+    conversation = {key: v for key, v in (await dump(store.redis, store.settings.prefix)).items() if key in held}
+    assert await t.finish() == "foreign_conversation"
+    after = await dump(store.redis, store.settings.prefix)
+    assert {key: after.get(key) for key in conversation} == conversation
+    assert not await store.redis.exists(k.usage("t1"))
+    seen = await stream(store, t.id)
+    assert_gapless(seen)
+    (failed,) = terminals(seen)
+    assert isinstance(failed, events.Failed) and failed.code == "forbidden"
+    assert (await store.turn_state(t.id)).status == "failed"
+    assert "turn" not in await hash_of(store, k.lease(t.cid))  # released for the conversation's own turns
+
+
+async def test_finish_of_a_row_the_turn_did_not_accept_is_refused(store: Store) -> None:
+    t = await make_turn(store)
+    await t.run_to(LAST)
+    await store.redis.hdel(store.keys.turn(t.id), "message_id")
+    pending = await store.redis.hget(store.keys.messages(t.cid), t.id)
+    assert await t.finish() == "message_exists"
+    assert await store.redis.hget(store.keys.messages(t.cid), t.id) == pending
+    (failed,) = terminals(await stream(store, t.id))
+    assert isinstance(failed, events.Failed) and failed.code == "invalid_request"
 
 
 # --- retry ------------------------------------------------------------------------------------------
@@ -920,6 +1083,23 @@ async def test_client_enqueue_takes_a_place_in_the_line_only_when_asked(store: S
         client.close()
 
 
+async def test_an_owners_submission_into_another_tenants_conversation_writes_nothing(store: Store) -> None:
+    a = await finished_turn(store)
+    client = Client(store.settings.redis_url or "", prefix=store.settings.prefix)
+    try:
+        before = await dump(store.redis, store.settings.prefix)
+        with pytest.raises(ConversationNotFound):
+            client.start({"tenant_id": "t2", "app_id": "app", "user_id": "u1", "agent_id": AGENT.id,
+                          "conversation_id": a.cid, "query": "let me in"}, owner="t2")
+        assert await dump(store.redis, store.settings.prefix) == before
+        # its own tenant's turn takes its place as before
+        handle = client.start({"tenant_id": "t1", "app_id": "app", "user_id": "u1", "agent_id": AGENT.id,
+                               "conversation_id": a.cid, "query": "mine"}, owner="t1")
+        assert await members(store, store.keys.turn_queue(a.cid)) == [str(handle)]
+    finally:
+        client.close()
+
+
 async def test_submission_scores_are_exact_microseconds_and_keep_the_order(store: Store) -> None:
     client = Client(store.settings.redis_url or "", prefix=store.settings.prefix)
     try:
@@ -964,3 +1144,74 @@ def test_no_script_code_names_a_stage(path: Path) -> None:
     code = "\n".join(line.split("--", 1)[0] for line in path.read_text().splitlines())
     named = [w for w in STAGE_WORDS if re.search(rf"\b{w}\b", code)]
     assert named == [], f"{path.name} names {named}"
+
+
+# --- rate_limit (the gateway's buckets and stream holds) ----------------------------------------------
+
+
+def limits_of(store: Store) -> Any:
+    from threadline.workers.storage.rate_limits import RateLimits
+
+    return RateLimits(store.redis, store.keys)
+
+
+def bucket(store: Store, name: str, *, per_s: float = 1.0, burst: float = 2.0, cost: int = 1) -> Any:
+    from threadline.workers.storage.rate_limits import Bucket
+
+    return Bucket(store.keys.rate_bucket("rps", name), per_s=per_s, burst=burst, cost=cost)
+
+
+async def test_rate_limit_takes_from_a_full_bucket_until_it_is_empty_and_says_when_to_retry(store: Store) -> None:
+    limits, b = limits_of(store), bucket(store, "k1", per_s=0.5, burst=2)
+    assert not await store.redis.exists(b.key)  # an absent bucket is a full one
+    assert [(await limits.take([b])).allowed for _ in range(3)] == [True, True, False]
+    refused = await limits.take([b])
+    # empty, refilling half a token a second: the next token is about 2 s away (server time)
+    assert not refused.allowed and refused.short == b and 1_500 < refused.retry_after_ms <= 2_000
+    assert float((await hash_of(store, b.key))["tokens"]) < 0.1
+    # it expires once it would be full again (2 tokens at 0.5/s: 4 s, plus a second)
+    assert 0 < await store.redis.pttl(b.key) <= 5_000
+
+
+async def test_rate_limit_refills_by_the_servers_clock(store: Store) -> None:
+    limits, b = limits_of(store), bucket(store, "k2", per_s=1, burst=2)
+    assert (await limits.take([bucket(store, "k2", per_s=1, burst=2, cost=2)])).allowed
+    assert not (await limits.take([b])).allowed
+    # as if 1.5 s had passed since the last take: one and a half tokens came back
+    at = int((await hash_of(store, b.key))["at"])
+    await store.redis.hset(b.key, "at", str(at - 1_500))
+    assert (await limits.take([b])).allowed
+    assert float((await hash_of(store, b.key))["tokens"]) == pytest.approx(0.5, abs=0.05)
+
+
+async def test_rate_limit_is_all_or_nothing_and_a_peek_takes_nothing(store: Store) -> None:
+    limits = limits_of(store)
+    roomy, tight = bucket(store, "roomy", burst=10), bucket(store, "tight", burst=1)
+    assert (await limits.take([tight])).allowed
+    refused = await limits.take([roomy, tight])
+    assert not refused.allowed and refused.short == tight
+    assert not await store.redis.exists(roomy.key)  # the roomy bucket gave nothing for a refused request
+    peek = bucket(store, "peek", burst=1, cost=0)
+    assert (await limits.take([peek])).allowed and not await store.redis.exists(peek.key)
+    assert (await limits.take([bucket(store, "peek", burst=1)])).allowed
+    assert not (await limits.take([peek])).allowed  # cost 0: allowed only while a whole token is left
+
+
+async def test_rate_limit_holds_a_keys_streams_up_to_its_limit_and_drops_lapsed_holders(store: Store) -> None:
+    limits = limits_of(store)
+    holders = store.keys.stream_holders("kid")
+    assert (await limits.take([], hold=("kid", "s1", 2))).allowed
+    assert (await limits.take([], hold=("kid", "s1", 2))).allowed  # the same token holds one place
+    assert (await limits.take([], hold=("kid", "s2", 2))).allowed
+    full = await limits.take([bucket(store, "kid-rps", burst=5)], hold=("kid", "s3", 2))
+    assert (full.allowed, full.retry_after_ms, full.short) == (False, 1000, None)
+    assert not await store.redis.exists(store.keys.rate_bucket("rps", "kid-rps"))  # nothing taken
+    assert await members(store, holders) == ["s1", "s2"] and 0 < await store.redis.pttl(holders) <= 31_000
+    # a holder whose lease lapsed (its gateway died) is dropped before counting
+    await store.redis.zadd(holders, {"s1": 1})
+    assert (await limits.take([], hold=("kid", "s3", 2))).allowed
+    assert sorted(await members(store, holders)) == ["s2", "s3"]
+    await limits.renew_streams([("kid", "s2"), ("kid", "gone")])
+    assert await members(store, holders) == ["s3", "s2"]  # renewed s2's lease past s3's; "gone" not added
+    await limits.release_stream("kid", "s3")
+    assert await limits.open_streams("kid") == 1

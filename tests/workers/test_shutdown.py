@@ -4,6 +4,7 @@ finish, and the supervisor is gone within its grace period."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import redis
 
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
+from tests.support.clocks import stamped
 from tests.support.turns import assert_gapless, holder_pid, python_model, records, wait_for_event
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
@@ -22,6 +24,9 @@ from threadline.workers.worker.process import Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+#: The idle poll of the worker that takes a handed-over turn: long, so that only the doorbell makes it quick.
+IDLE_POLL_S = 20.0
+
 
 def test_sigterm_to_the_supervisor_mid_stream_hands_the_turn_to_another_worker_at_once(
     redis_url: str, tmp_path: Path
@@ -31,7 +36,8 @@ def test_sigterm_to_the_supervisor_mid_stream_hands_the_turn_to_another_worker_a
     env = {"TL_PREFIX": prefix, "TL_ALLOW_PYTHON_PLUGINS": "1", "TL_LOG_FORMAT": "json", "TL_LOG_LEVEL": "INFO",
            "TL_METRICS_PORT": "0", "PYTHONPATH": str(ROOT)}
     supervisor = Supervisor(redis_url, processes=1, threads=4, env=env, log_path=tmp_path / "supervisor.log")
-    other = WorkerPool(redis_url, prefix, tmp_path)
+    # the other worker's idle consumers poll only every IDLE_POLL_S: a quick take-over was rung
+    other = WorkerPool(redis_url, prefix, tmp_path, env={"TL_IDLE_POLL_MS": str(int(IDLE_POLL_S * 1000))})
     client = Client(redis_url, prefix=prefix)
     try:
         supervisor.start()
@@ -47,17 +53,25 @@ def test_sigterm_to_the_supervisor_mid_stream_hands_the_turn_to_another_worker_a
 
         signalled = time.time()
         supervisor.stop()
-        stop_s = time.time() - signalled
-        assert stop_s <= supervisor.grace_s, f"the supervisor took {stop_s:.1f} s"
+        stopped = time.time()
+        # within its grace by the product's own timers: the supervisor kills a child still running
+        # after grace + KILL_MARGIN_S, and the child times its own stop
         assert supervisor.children[0].returncode == 0  # it stopped by itself, nobody killed it
+        (child_stop_s,) = [json.loads(line)["stop_s"] for line in (tmp_path / "supervisor.log").read_text().splitlines()
+                           if '"worker_stopped"' in line]
+        assert child_stop_s <= supervisor.grace_s, child_stop_s
 
-        # another worker continues: attempt 2 of the model stage starts (stream ids are ms timestamps)
-        entries = client.entries(turn_id, follow=True, timeout_s=10)
-        continued = next(entry_id for entry_id, e in entries
-                         if isinstance(e, ev.StageEvent) and e.attempt == 2 and e.status == "started")
-        continued_s = int(continued.split("-")[0]) / 1000 - signalled
-        print(f"SIGTERM -> attempt 2 started: {continued_s:.2f} s; supervisor stopped in {stop_s:.2f} s")
-        assert continued_s < 2.0
+        # the hand-over was part of the stop, and another worker started attempt 2 of the model stage
+        # at once, rung by the enqueue (times on the server's clock: stream entry ids)
+        wait_until(lambda: any(isinstance(e, ev.StageEvent) and e.attempt == 2 for e in client.events(turn_id)),
+                   timeout_s=30)
+        seen = stamped(client, turn_id)
+        handed_at = next(at for at, e in seen if isinstance(e, ev.Retrying))
+        continued_at = next(at for at, e in seen if isinstance(e, ev.StageEvent) and e.attempt == 2)
+        print(f"SIGTERM -> handed over {handed_at - signalled:.2f} s, attempt 2 started "
+              f"{continued_at - handed_at:.2f} s later; the child stopped in {child_stop_s:.2f} s")
+        assert signalled - 0.001 <= handed_at <= stopped + 0.001
+        assert continued_at - handed_at < IDLE_POLL_S / 10
         until.touch()
         terminal = client.wait(turn_id, timeout_s=30)
         assert isinstance(terminal, ev.Succeeded) and terminal.attempt == 2, terminal
@@ -96,11 +110,11 @@ def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) 
             return any(isinstance(e, ev.StageEvent) and e.stage == "slow" for e in client.events(turn_id))
 
         wait_until(slow_started, timeout_s=15)
-        stopping = time.monotonic()
-        worker.worker.stop(timeout=5_000)
+        worker.worker.stop(timeout=int(worker.settings.shutdown_grace_s * 1000))  # as a worker process stops
         worker.broker.close()
-        stop_s = time.monotonic() - stopping
-        assert stop_s < 5.0
+        # the stop waited for the stage to finish within its grace, not out: every thread of it has ended
+        threads = [*worker.worker.workers, *worker.worker.consumers.values()]
+        assert threads and not [t for t in threads if t.is_alive()]
         stages = [(e.stage, e.status) for e in client.events(turn_id) if isinstance(e, ev.StageEvent)]
         assert ("slow", "finished") in stages
         state = client.turn_state(turn_id)

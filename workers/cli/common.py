@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 
-#: Exit codes (also in `threadline --help` and the README). 1: a followed turn ended failed,
+#: Exit codes (also in `threadline --help` and docs/clients.md). 1: a followed turn ended failed,
 #: cancelled or timed out (or an unexpected error); 5: `conversations delete` found the conversation busy.
 EXIT_TURN_FAILED = 1
 

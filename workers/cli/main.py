@@ -1,7 +1,7 @@
 """`threadline`: demo, worker, submit, events, cancel, agents (put, list, show, versions, publish, rollback, diff),
 thread, conversations delete, gateway, keys create.
 
-Every failure is one line on stderr and an exit code from the table below (the README's too); the
+Every failure is one line on stderr and an exit code from the table below (docs/clients.md's too); the
 commands that only talk to a server (all but `worker` and `demo`) never start one and import no
 pydantic-ai, so `submit` and `cancel` finish in a few hundred milliseconds (`bench/cli.py`)."""
 
@@ -50,7 +50,7 @@ from threadline.workers.settings import ENVIRONMENT, Settings
 if TYPE_CHECKING:
     pass
 
-#: Exit codes (also in `threadline --help` and the README). 1: a followed turn ended failed,
+#: Exit codes (also in `threadline --help` and docs/clients.md). 1: a followed turn ended failed,
 #: cancelled or timed out (or an unexpected error); 5: `conversations delete` found the conversation busy.
 
 

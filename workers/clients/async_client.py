@@ -85,6 +85,8 @@ class AsyncClient:
         self.keys = Keys(prefix)
         self.max_query_chars = max_query_chars or setting_default("max_query_chars")
         self.max_context_chars = max_context_chars or setting_default("max_context_chars")
+        self.max_inputs_chars = setting_default("max_inputs_chars")
+        self.max_files = setting_default("max_files")
         self._submit = self.redis.register_script(lua.source("submit"))
         self._delete = self.redis.register_script(lua.source("delete_conversation"))
 
@@ -93,8 +95,10 @@ class AsyncClient:
         target = url or settings.redis_url
         if target is None:
             raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
-        return cls(target, prefix=settings.prefix, max_query_chars=settings.max_query_chars,
-                   max_context_chars=settings.max_context_chars)
+        client = cls(target, prefix=settings.prefix, max_query_chars=settings.max_query_chars,
+                     max_context_chars=settings.max_context_chars)
+        client.max_inputs_chars, client.max_files = settings.max_inputs_chars, settings.max_files
+        return client
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -119,7 +123,8 @@ class AsyncClient:
     async def start(self, request: Mapping[str, Any] | TurnRequest, *, owner: str | None = None) -> AsyncTurnHandle:
         """Check, then enqueue, as `Client.start`."""
         checked = checked_request(request, max_query_chars=self.max_query_chars,
-                                  max_context_chars=self.max_context_chars)
+                                  max_context_chars=self.max_context_chars, max_inputs_chars=self.max_inputs_chars,
+                                  max_files=self.max_files)
         cid = checked.conversation_id or new_conversation_id(checked.turn_id)
         created, existing = await self._enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (turn_body(checked),), conversation_id=cid,
                                                 turn_id=checked.turn_id, owner=owner)

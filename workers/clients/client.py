@@ -1,6 +1,6 @@
 """The Python client: register agents, submit turns, follow their events, cancel them, read threads.
 
-It enqueues exactly what the README tells any other producer to write with raw Redis commands
+It enqueues exactly what docs/protocol.md tells any other producer to write with raw Redis commands
 (HSET the message, RPUSH its id, PUBLISH the doorbell), so that path is exercised on every use.
 `submit` returns a `TurnHandle`: the turn id (a `str`) with the methods that follow, wait for,
 cancel and resume the turn; `start` does the same after checking the request with the workers' model.
@@ -107,6 +107,8 @@ class Client:
         #: The limits `start` checks a request against (the workers' TL_MAX_QUERY_CHARS, TL_MAX_CONTEXT_CHARS).
         self.max_query_chars = max_query_chars or setting_default("max_query_chars")
         self.max_context_chars = max_context_chars or setting_default("max_context_chars")
+        self.max_inputs_chars = setting_default("max_inputs_chars")
+        self.max_files = setting_default("max_files")
         self.redis = redis.Redis.from_url(url)
         self.keys = Keys(prefix)
         self.namespace = f"{prefix}:q"
@@ -124,8 +126,10 @@ class Client:
         target = url or settings.redis_url
         if target is None:
             raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
-        return cls(target, prefix=settings.prefix, policy=settings.policy, max_query_chars=settings.max_query_chars,
-                   max_context_chars=settings.max_context_chars)
+        client = cls(target, prefix=settings.prefix, policy=settings.policy, max_query_chars=settings.max_query_chars,
+                     max_context_chars=settings.max_context_chars)
+        client.max_inputs_chars, client.max_files = settings.max_inputs_chars, settings.max_files
+        return client
 
     def close(self) -> None:
         self.redis.close()
@@ -202,7 +206,8 @@ class Client:
         turn id that exists already is not enqueued again: the handle says `created=False`, or
         `TurnIdTaken` when the turn is not `owner`'s."""
         checked = checked_request(request, max_query_chars=self.max_query_chars,
-                                  max_context_chars=self.max_context_chars)
+                                  max_context_chars=self.max_context_chars, max_inputs_chars=self.max_inputs_chars,
+                                  max_files=self.max_files)
         cid = checked.conversation_id or new_conversation_id(checked.turn_id)
         _, keys, argv = submit_call(self.keys, ADMIT_QUEUE, ADMIT_ACTOR, (turn_body(checked),),
                                     message_id=uuid.uuid4().hex, conversation_id=cid, turn_id=checked.turn_id,

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Self, cast
 
 from threadline.pipeline.contracts import TURN_SCHEMA, TurnRequest, parse_turn_request, valid_id, valid_turn_id
-from threadline.pipeline.errors import InvalidRequest
+from threadline.pipeline.errors import ConversationNotFound, InvalidRequest
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.schema import text
@@ -96,26 +96,33 @@ def submit_call(keys: Keys, queue: str, actor: str, args: tuple[Any, ...], *, me
     register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))
     line = keys.turn_queue(conversation_id if register and conversation_id else "-")
     turn = keys.turn(turn_id if register and turn_id else "-")
+    conversation = keys.conversation(conversation_id if register and conversation_id else "-")
     argv = lua.payload(message_id=mid, turn_id=turn_id if register else "", channel=keys.doorbell_channel(),
                        queue=target, owner=owner if register and owner else "")
-    return mid, [keys.queue_messages(target), keys.queue(target), line, turn], [argv, data]
+    return mid, [keys.queue_messages(target), keys.queue(target), line, turn, conversation], [argv, data]
 
 
 def submitted(reply: Any) -> tuple[bool, str]:
-    """submit.lua's reply: (enqueued, the existing turn's owner when it was not)."""
+    """submit.lua's reply: (enqueued, the existing turn's owner when it was not). A turn of an owner
+    naming another tenant's conversation was refused: `ConversationNotFound`, as for a missing one."""
+    if isinstance(reply, list) and text(reply[0]) == "foreign_conversation":
+        raise ConversationNotFound("conversation not found")
     if isinstance(reply, list):
         return False, text(reply[1])
     return True, ""
 
 
 def checked_request(request: Mapping[str, Any] | TurnRequest, *, max_query_chars: int,
-                    max_context_chars: int) -> TurnRequest:
+                    max_context_chars: int, max_inputs_chars: int | None = None,
+                    max_files: int | None = None) -> TurnRequest:
     """The request checked with the workers' own model and limits (`InvalidRequest` when refused);
     a request without a turn id gets a new one."""
     if isinstance(request, TurnRequest):
         return request
     return parse_turn_request({"schema": TURN_SCHEMA, **request}, fallback_turn_id=uuid.uuid4().hex,
-                              max_query_chars=max_query_chars, max_context_chars=max_context_chars)
+                              max_query_chars=max_query_chars, max_context_chars=max_context_chars,
+                              max_inputs_chars=max_inputs_chars or setting_default("max_inputs_chars"),
+                              max_files=setting_default("max_files") if max_files is None else max_files)
 
 
 def turn_body(request: TurnRequest) -> dict[str, Any]:

@@ -20,14 +20,13 @@ import redis
 from fastapi import Body, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from threadline.pipeline.config import parse_agent_config
 from threadline.pipeline.contracts import (
+    ID_PATTERN,
     Id,
-    TurnId,
     TurnRequest,
     new_conversation_id,
     valid_id,
@@ -39,15 +38,34 @@ from threadline.pipeline.records import ConversationRecord
 from threadline.workers.clients.async_client import AsyncClient
 from threadline.workers.clients.client import Client
 from threadline.workers.clients.common import TurnIdTaken, checked_request
+from threadline.workers.gateway import pools
+from threadline.workers.gateway.admin_keys import add_key_routes
+from threadline.workers.gateway.auth import Authenticator, admin, caller, turn_caller
+from threadline.workers.gateway.middleware import (
+    AccessLog,
+    BodyLimit,
+    BrowserHeaders,
+    install_envelopes,
+    printable,
+    remember,
+    validation_detail,
+)
+from threadline.workers.gateway.ratelimit import Limiter
+from threadline.workers.gateway.refusals import install_refusals
+from threadline.workers.gateway.streams import StreamHub
+from threadline.workers.gateway.tenancy import MAX_TURN_ID, Ids, outside, shown
 from threadline.workers.settings import Settings
 from threadline.workers.storage.agents import PutResult, parse_version
-from threadline.workers.storage.api_keys import ApiKey, key_digest, parse_key
+from threadline.workers.storage.api_keys import ApiKey, KeyRing
+from threadline.workers.storage.rate_limits import RateLimits
 
 #: Seconds between keep-alive comments on an idle event stream (proxies close silent connections).
 PING_S = 15
 #: The web console shipped with the package (plain HTML, CSS and JS: no build step), served at `/`.
 CONSOLE_DIR = Path(__file__).resolve().parent / "console"
-_STREAM_ID = re.compile(r"^(\d{1,19})(?:-(\d{1,19}))?$")
+#: ASCII digits only (`\d` would take Arabic-Indic or fullwidth ones), matched whole (`$` would let a
+#: trailing newline through): what Redis takes as a stream entry id.
+_STREAM_ID = re.compile(r"([0-9]{1,19})(?:-([0-9]{1,19}))?")
 
 
 class ApiError(Exception):
@@ -64,10 +82,10 @@ def not_found(what: str) -> ApiError:
 
 class TurnBody(TurnRequest):
     """A turn request as the gateway takes it: `schema`, `turn_id` and `tenant_id` may be left out
-    (the tenant is the API key's)."""
+    (the tenant is the API key's). A turn id is the tenant's own (`tenancy.py`): at most 107 characters."""
 
     schema_: Literal["threadline.turn/v1"] = Field(default="threadline.turn/v1", alias="schema")
-    turn_id: TurnId | None = None  # type: ignore[assignment]
+    turn_id: Annotated[str, Field(min_length=1, max_length=MAX_TURN_ID, pattern=ID_PATTERN)] | None = None  # type: ignore[assignment]
     tenant_id: Id | None = None  # type: ignore[assignment]
 
 
@@ -85,51 +103,66 @@ class CancelBody(BaseModel):
 
 
 class Gateway:
-    """What the handlers share: the clients (one connection pool each per process)."""
+    """What the handlers share: the clients, the caller's authentication and rate limits, and the
+    process's one event-stream reader (`pools.py` says which Redis connections each uses)."""
 
     def __init__(self, settings: Settings, url: str) -> None:
         self.client = Client.from_settings(settings, url)
         self.aclient = AsyncClient.from_settings(settings, url)
-
-    async def caller(self, credentials: HTTPAuthorizationCredentials | None) -> ApiKey:
-        if credentials is None:
-            raise ApiError(401, "unauthorized", "an API key is required: Authorization: Bearer <key>")
-        stored = await self.aclient.redis.hget(self.aclient.keys.api_keys(), key_digest(credentials.credentials))
-        key = parse_key(stored)
-        if key is None:
-            raise ApiError(401, "unauthorized", "unknown API key")
-        return key
+        pools.use_pool(self.aclient.redis, pools.request_pool(settings, url))
+        self.health = pools.health_client(url)
+        self.limits = Limiter(settings, RateLimits(self.aclient.redis, self.aclient.keys))
+        self.auth = Authenticator(settings, self.aclient.redis, self.aclient.keys, self.limits)
+        self.streams = StreamHub(url, self.aclient.keys, self.aclient.redis, renew=self.limits.renew_streams)
+        self.keyring = KeyRing(self.client.redis, self.client.keys)
+        self.ids = Ids(self.aclient)
 
     async def own_turn(self, turn_id: str, key: ApiKey) -> str:
-        if valid_turn_id(turn_id) is None or await self.aclient.owner(turn_id) != key.tenant_id:
+        """The stored id of the caller's turn `turn_id` (as the caller spells it, `tenancy.py`); a turn
+        of another tenant is a 404 like a missing one."""
+        stored = await self.ids.turn(key.tenant_id, turn_id) if valid_turn_id(turn_id) else None
+        if stored is None or not await self.auth.sees_turn(key, stored):
             raise not_found(f"turn {turn_id}")
-        return turn_id
+        return stored
 
     async def own_conversation(self, conversation_id: str, key: ApiKey) -> ConversationRecord:
-        record = await self.aclient.conversation(conversation_id) if valid_id(conversation_id) else None
-        if record is None or record.tenant_id != key.tenant_id:
+        """The caller's conversation `conversation_id` (its `id` is the stored one), else a 404."""
+        stored = await self.ids.conversation(key.tenant_id, conversation_id) if valid_id(conversation_id) else None
+        record = await self.aclient.conversation(stored) if stored and valid_id(stored) else None
+        if record is None or record.tenant_id != key.tenant_id or not self.auth.sees_conversation(key, record):
             raise not_found(f"conversation {conversation_id}")
         return record
 
-
-BEARER = HTTPBearer(auto_error=False, description="an API key made with `threadline keys create TENANT`")
-
-
-async def caller(request: Request,
-                 credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> ApiKey:
-    gateway: Gateway = request.app.state.gateway
-    return await gateway.caller(credentials)
-
-
-async def admin(key: Annotated[ApiKey, Depends(caller)]) -> ApiKey:
-    if not key.admin:
-        raise ApiError(403, "forbidden", "agents are managed with an admin key (`keys create T --admin`)")
-    return key
+    async def stored_request(self, request: dict[str, Any], tenant_id: str) -> dict[str, Any]:
+        """A tenant's turn request with its ids (turn, conversation, parent message) as stored."""
+        stored = dict(request)
+        if request.get("turn_id"):
+            stored["turn_id"] = await self.ids.new_turn(tenant_id, request["turn_id"])
+        if request.get("conversation_id"):
+            stored["conversation_id"] = await self.ids.conversation(tenant_id, request["conversation_id"])
+            if request.get("parent_message_id") not in (None, "root"):
+                stored["parent_message_id"] = await self.ids.message(stored["conversation_id"], tenant_id,
+                                                                     request["parent_message_id"])
+        return stored
 
 
-# Module-level, so FastAPI can resolve them in the handlers' (string) annotations.
-Caller = Annotated[ApiKey, Depends(caller)]
-Admin = Annotated[ApiKey, Depends(admin)]
+async def _caller(request: Request, key: Annotated[ApiKey, Depends(caller)]) -> ApiKey:
+    return remember(request, key)
+
+
+async def _turn_caller(request: Request, key: Annotated[ApiKey, Depends(turn_caller)]) -> ApiKey:
+    return remember(request, key)
+
+
+async def _admin(request: Request, key: Annotated[ApiKey, Depends(admin)]) -> ApiKey:
+    return remember(request, key)
+
+
+# Module-level, so FastAPI can resolve them in the handlers' (string) annotations: auth.py's callers,
+# each noted for the access log.
+Caller = Annotated[ApiKey, Depends(_caller)]
+TurnCaller = Annotated[ApiKey, Depends(_turn_caller)]
+Admin = Annotated[ApiKey, Depends(_admin)]
 Version = Annotated[str | None, Query(max_length=12, description="3 or v3 (default: the active one)")]
 Draft = Annotated[str | None, Query(max_length=128)]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID")]
@@ -139,14 +172,14 @@ def stream_after(value: str | None) -> str:
     """A stream entry id to resume after ("0": from the start); anything else is a 422."""
     if value is None or value in ("", "0"):
         return "0"
-    match = _STREAM_ID.match(value)
+    match = _STREAM_ID.fullmatch(value)
     if match is None or any(int(part) >= 2**64 for part in match.groups() if part):
         raise ApiError(422, "invalid_request", f"{value!r} is not an event id (a stream entry id like 1718-0)")
     return value
 
 
 def _error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"code": code, "message": message, **extra}
+    return dict(printable({"code": code, "message": message, **extra}))
 
 
 _STATUS: dict[type[ThreadlineError], int] = {AgentNotFound: 404, ConversationNotFound: 404, Forbidden: 403,
@@ -168,7 +201,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def invalid(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, RequestValidationError)
-        detail = json.loads(json.dumps(e.errors(), default=str))
+        detail = validation_detail(e.errors())  # never the refused input itself
         return JSONResponse(_error_body("invalid_request", "the request does not match the API", detail=detail),
                             status_code=422)
 
@@ -190,22 +223,34 @@ def create_app(settings: Settings, url: str, *, console_dir: Path | None = CONSO
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        await gw.streams.close()
+        await gw.health.aclose()
         await gw.aclient.close()
         gw.client.close()
 
-    app = FastAPI(title="Threadline", version="1", lifespan=lifespan,
+    # no docs UI: FastAPI's loads Swagger UI from a CDN, which the Content-Security-Policy refuses;
+    # /openapi.json is served for any OpenAPI viewer
+    app = FastAPI(title="Threadline", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Turns, their events (Server-Sent Events), conversations and agents. "
                               "Authenticate with `Authorization: Bearer <key>` (`threadline keys create TENANT`).")
     app.state.gateway = gw
+    install_envelopes(app)
     install_error_handlers(app)
+    # the last added runs first: the access log sees every answer, the 413s included
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BrowserHeaders)
+    app.add_middleware(AccessLog)
+    install_refusals(app)
     add_turn_routes(app, gw)
     add_conversation_routes(app, gw)
     add_agent_routes(app, gw)
+    add_key_routes(app, gw.keyring)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> dict[str, str]:
-        """For load balancers: 200 while Redis answers."""
-        await gw.aclient.redis.ping()
+        """For load balancers: 200 while Redis answers (on connections of its own: requests and
+        streams never keep it waiting)."""
+        await gw.health.ping()
         return {"status": "ok"}
 
     if console_dir is not None:
@@ -218,21 +263,29 @@ def create_app(settings: Settings, url: str, *, console_dir: Path | None = CONSO
 def add_turn_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/v1/turns", status_code=202, response_model=TurnAccepted, tags=["turns"],
               responses={409: {"description": "the turn_id names another tenant's turn"}})
-    async def post_turn(body: TurnBody, key: Caller) -> TurnAccepted:
+    async def post_turn(body: TurnBody, key: TurnCaller) -> TurnAccepted:
         """Enqueue a turn (`threadline.turn/v1`; `tenant_id` is the key's: another one is a 403).
         Idempotent on `turn_id`: the same id again enqueues nothing and answers the same."""
         if body.tenant_id not in (None, key.tenant_id):
             raise ApiError(403, "forbidden", "tenant_id is not the API key's tenant")
         request = {**body.model_dump(mode="json", by_alias=True, exclude_unset=True), "tenant_id": key.tenant_id}
-        checked = checked_request(request, max_query_chars=gw.aclient.max_query_chars,
-                                  max_context_chars=gw.aclient.max_context_chars)
-        if checked.conversation_id is not None:
-            record = await gw.aclient.conversation(checked.conversation_id)
-            if record is not None and record.tenant_id != key.tenant_id:
-                raise not_found(f"conversation {checked.conversation_id}")
-        handle = await gw.aclient.start(checked, owner=key.tenant_id)
-        return TurnAccepted(turn_id=str(handle), conversation_id=checked.conversation_id or new_conversation_id(handle),
-                            events_url=f"/v1/turns/{handle}/events", turn_url=f"/v1/turns/{handle}",
+        # the tenant's ids as stored (tenancy.py); a generated turn id is stored as it is
+        checked = checked_request(await gw.stored_request(request, key.tenant_id),
+                                  max_query_chars=gw.aclient.max_query_chars,
+                                  max_context_chars=gw.aclient.max_context_chars,
+                                  max_inputs_chars=gw.aclient.max_inputs_chars, max_files=gw.aclient.max_files)
+        record = None if checked.conversation_id is None else await gw.aclient.conversation(checked.conversation_id)
+        if record is not None and record.tenant_id != key.tenant_id:
+            raise not_found(f"conversation {body.conversation_id}")
+        await gw.auth.before_turn(key, checked, record)
+        try:
+            handle = await gw.aclient.start(checked, owner=key.tenant_id)
+        except ConversationNotFound:
+            raise not_found(f"conversation {body.conversation_id}") from None
+        turn_id = outside(key.tenant_id, str(handle))
+        conversation_id = outside(key.tenant_id, checked.conversation_id or new_conversation_id(handle))
+        return TurnAccepted(turn_id=turn_id, conversation_id=conversation_id,
+                            events_url=f"/v1/turns/{turn_id}/events", turn_url=f"/v1/turns/{turn_id}",
                             created=handle.created)
 
     @app.get("/v1/turns/{turn_id}/events", tags=["turns"], response_class=EventSourceResponse,
@@ -241,12 +294,17 @@ def add_turn_routes(app: FastAPI, gw: Gateway) -> None:
                           last_event_id: LastEventId = None) -> EventSourceResponse:
         """The turn's events as Server-Sent Events (`id`: the stream entry id, `event`: the type,
         `data`: the event's JSON), until the terminal one. Resume with `Last-Event-ID` or `?after=`."""
-        await gw.own_turn(turn_id, key)
+        stored = await gw.own_turn(turn_id, key)
         start = stream_after(last_event_id or after)
+        hold = await gw.limits.open_stream(key)  # 429 while the key has its limit of streams open
 
         async def stream() -> AsyncIterator[ServerSentEvent]:
-            async for entry_id, event in gw.aclient.entries(turn_id, after=start, follow=True):
-                yield ServerSentEvent(data=event.model_dump_json(), event=event.type, id=entry_id)
+            try:  # every stream of the process is read by one task on one connection (streams.py)
+                async for entry_id, event in gw.streams.subscribe(stored, after=start, hold=hold):
+                    yield ServerSentEvent(data=outside(key.tenant_id, event.model_dump_json()), event=event.type,
+                                          id=entry_id)
+            finally:
+                gw.limits.close_stream(hold)
 
         return EventSourceResponse(stream(), ping=PING_S)
 
@@ -254,25 +312,26 @@ def add_turn_routes(app: FastAPI, gw: Gateway) -> None:
     async def cancel_turn(turn_id: str, key: Caller, body: Annotated[CancelBody | None, Body()] = None,
                           ) -> dict[str, str]:
         """Cancel a turn: "enqueued", or "noop: <status>" when it has already ended."""
-        await gw.own_turn(turn_id, key)
-        return {"turn_id": turn_id, "result": await gw.aclient.cancel(turn_id, body.reason if body else "")}
+        stored = await gw.own_turn(turn_id, key)
+        return {"turn_id": turn_id, "result": await gw.aclient.cancel(stored, body.reason if body else "")}
 
     @app.get("/v1/turns/{turn_id}", tags=["turns"])
     async def get_turn(turn_id: str, key: Caller) -> dict[str, Any]:
         """The turn's status ("queued" until a worker admits it), its terminal event once it ended
         (answer, usage), and its stages' decision records."""
-        await gw.own_turn(turn_id, key)
-        state = await gw.aclient.turn_state(turn_id)
-        terminal = await gw.aclient.terminal(turn_id)
+        stored = await gw.own_turn(turn_id, key)
+        state = await gw.aclient.turn_state(stored)
+        terminal = await gw.aclient.terminal(stored)
         decisions: dict[str, Any] = {}
         if state.conversation_id:
             record = await gw.aclient.conversation(state.conversation_id)
             if record is not None and record.tenant_id == key.tenant_id:
-                decisions = (await gw.aclient.conversation_decisions(state.conversation_id)).get(turn_id, {})
-        return {"turn_id": turn_id, "status": state.status or "queued", "stage": state.stage or None,
-                "attempt": state.attempt, "conversation_id": state.conversation_id or None,
-                "message_id": state.message_id or None,
-                "result": terminal.model_dump(mode="json") if terminal else None, "decisions": decisions}
+                decisions = (await gw.aclient.conversation_decisions(state.conversation_id)).get(stored, {})
+        return shown(key.tenant_id, {
+            "turn_id": stored, "status": state.status or "queued", "stage": state.stage or None,
+            "attempt": state.attempt, "conversation_id": state.conversation_id or None,
+            "message_id": state.message_id or None,
+            "result": terminal.model_dump(mode="json") if terminal else None, "decisions": decisions})
 
 
 def add_conversation_routes(app: FastAPI, gw: Gateway) -> None:
@@ -281,31 +340,33 @@ def add_conversation_routes(app: FastAPI, gw: Gateway) -> None:
                                  offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0) -> dict[str, Any]:
         """The key's tenant's conversations, the most recently active first."""
         found = await gw.aclient.conversations(key.tenant_id, limit=limit, offset=offset)
-        return {"conversations": [c.model_dump(mode="json") for c in found]}
+        # a user-scoped key sees its user's conversations only (a page may then hold fewer than `limit`)
+        return shown(key.tenant_id, {"conversations": [c.model_dump(mode="json") for c in found
+                                                         if gw.auth.sees_conversation(key, c)]})
 
     @app.get("/v1/conversations/{conversation_id}", tags=["conversations"])
     async def get_conversation(conversation_id: str, key: Caller) -> dict[str, Any]:
         """The whole tree (every message with its parent), the current path root → tip, and each
         turn's status, usage and decision records."""
         record = await gw.own_conversation(conversation_id, key)
-        messages = await gw.aclient.messages(conversation_id)
+        messages = await gw.aclient.messages(record.id)
         path, _ = extract_thread(messages, record.tip) if record.tip else ([], None)
-        decisions = await gw.aclient.conversation_decisions(conversation_id)
-        return {"conversation": record.model_dump(mode="json"), "path": [m.id for m in path],
-                "messages": [{**m.model_dump(mode="json"), "decisions": decisions.get(m.turn_id, {})}
-                             for m in messages]}
+        decisions = await gw.aclient.conversation_decisions(record.id)
+        return shown(key.tenant_id, {
+            "conversation": record.model_dump(mode="json"), "path": [m.id for m in path],
+            "messages": [{**m.model_dump(mode="json"), "decisions": decisions.get(m.turn_id, {})} for m in messages]})
 
     @app.delete("/v1/conversations/{conversation_id}", tags=["conversations"],
                 responses={409: {"description": "a turn of the conversation runs or waits: cancel it first"}})
     async def delete_conversation(conversation_id: str, key: Caller) -> dict[str, Any]:
         """Delete a conversation and its turns' records and events (usage counters stay)."""
-        await gw.own_conversation(conversation_id, key)
-        result = await gw.aclient.delete_conversation(conversation_id, tenant_id=key.tenant_id)
+        record = await gw.own_conversation(conversation_id, key)
+        result = await gw.aclient.delete_conversation(record.id, tenant_id=key.tenant_id)
         if result.status == "not_found":
             raise not_found(f"conversation {conversation_id}")
         if result.status == "busy":
             raise ApiError(409, "busy", "a turn of the conversation runs or waits: cancel it first",
-                           blocking=list(result.blocking))
+                           blocking=outside(key.tenant_id, list(result.blocking)))
         return {"deleted": conversation_id, "messages": result.messages, "turns": result.turns}
 
 

@@ -115,10 +115,49 @@ class Keys:
         """Hash: sha256 of an API key (hex) -> its tenant and role (JSON); keys themselves are never stored."""
         return f"{self.prefix}:apikeys"
 
+    def api_key_ids(self) -> str:
+        """Hash: an API key's public id -> the sha256 it is stored under (`keys revoke ID`, rotation)."""
+        return f"{self.prefix}:apikeys:ids"
+
+    def api_key_used(self) -> str:
+        """Hash: an API key's id -> when it was last used (unix s), written at most once a minute."""
+        return f"{self.prefix}:apikeys:used"
+
+    def rate_bucket(self, limit: str, subject: str) -> str:
+        """Hash: one token bucket (`tokens`, `at` ms of server time) of the gateway's rate limits:
+        `limit` is rps, turns or auth; `subject` a key id (or a client address for auth)."""
+        return f"{self.prefix}:ratelimit:{limit}:{subject}"
+
+    def stream_holders(self, key_id: str) -> str:
+        """Sorted set: the open event streams of an API key, each a token scored by its lease's
+        expiry (ms, server time), renewed while the stream is open."""
+        return f"{self.prefix}:ratelimit:streams:{key_id}"
+
+    def turn_user(self, turn_id: str) -> str:
+        """String: the user a user-scoped API key submitted the turn as (expires with the turn's
+        artifacts): such a key reads only its own user's turns, also before they are admitted."""
+        return f"{self.prefix}:turn:{turn_id}:user"
+
     def model_limit(self, agent_id: str) -> str:
         """Sorted set: the holders of the agent's model slots (`model.max_concurrency`), each a token
         scored by its lease's expiry (ms, server time); an expired holder's worker died."""
         return f"{self.prefix}:limit:{agent_id}"
+
+    # --- long-term memory ---------------------------------------------------------------------
+    def memory(self, user_tag: str, suffix: str, part: str) -> str:
+        """One key of a user's memory partition (`storage/memory.py` names the parts). `user_tag` is
+        `<tenant>/<user>` and the hash tag of every key of that user (one Redis Cluster slot);
+        `suffix` is "" (the user partition), `/app/<app>` or `/agent/<agent>`."""
+        return f"{self.prefix}:mem:{{{user_tag}}}{suffix}:{part}"
+
+    def memory_partitions(self, user_tag: str) -> str:
+        """Set: the partition suffixes of the user's memory in use ("" for the user partition)."""
+        return f"{self.prefix}:mem:{{{user_tag}}}:partitions"
+
+    def memory_activity(self) -> str:
+        """Sorted set: memory partition (`Scope.partition`) scored by its last write, kept while
+        `TL_RETENTION_DAYS` is set; the watchdog deletes the idle ones."""
+        return f"{self.prefix}:memactivity"
 
     # --- turns --------------------------------------------------------------------------------
     def turn(self, turn_id: str) -> str:

@@ -24,10 +24,12 @@ from threadline.pipeline.events import TERMINAL_TYPES
 ScriptName = Literal[
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
     "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
-    "delete_conversation", "dead_letter_replay", "dead_letter_purge", "heartbeat", "reap",
+    "delete_conversation", "dead_letter_replay", "dead_letter_purge", "heartbeat", "reap", "rate_limit",
+    "memory_apply", "memory_forget", "memory_note", "memory_lease",
 ]
 #: The scripts of the turn state machine (the broker's `dead_letter`, the agent registry's `agent_*`,
-#: the operations' `dead_letter_*` and a worker's `heartbeat` are registered by their consumers).
+#: the operations' `dead_letter_*`, a worker's `heartbeat` and the gateway's `rate_limit` are registered by
+#: their consumers; long-term memory's `memory_*` by `storage/memory.py`).
 SCRIPT_NAMES: tuple[ScriptName, ...] = (
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release",
     "slot_acquire", "slot_renew", "slot_release", "delete_conversation", "reap",

@@ -3,6 +3,7 @@ events and artifacts — one script each (`scripts/*.lua`), one typed method eac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any, Literal, cast
 
 from threadline.pipeline import events
 from threadline.pipeline.records import ConversationRecord, MessageRecord
+from threadline.pipeline.resolve import Refusal, refusal_error
 from threadline.workers.protocol.schema import (
     TurnState,
     as_bytes,
@@ -24,7 +26,11 @@ from threadline.workers.storage.base import StoreBase
 BeginStatus = Literal["go", "unknown", "done", "terminal", "cancelled", "timed_out", "duplicate"]
 
 
-Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled"]
+Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled", "refused"]
+
+#: What advance.lua and finish.lua answer when a write into a conversation is refused (see
+#: `pipeline.resolve.Refusal`): nothing was written.
+REFUSALS: frozenset[str] = frozenset({"foreign_conversation", "conversation_exists", "message_exists"})
 
 
 #: The placeholder for the id of the message that wakes a waiting turn (finish.lua fills it in).
@@ -92,6 +98,8 @@ class Accept:
     conversation: ConversationRecord
     row: MessageRecord
     deadline_at: float
+    #: The turn starts the conversation: advance.lua refuses when it exists already.
+    creates: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,17 +121,23 @@ class TurnStore(StoreBase):
         return build_message(queue, next_.stage, (next_.arg,), message_id=next_.message_id, now_ms=now_ms,
                              delay_ms=next_.delay_ms)
 
-    async def admit(self, turn_id: str, conversation_id: str, *, now: float, request: bytes) -> tuple[Admission, str]:
-        """Join the conversation's line; run now, or wait to be woken (`request` is kept for that)."""
+    async def admit(self, turn_id: str, conversation_id: str, *, now: float, request: bytes, tenant_id: str = "",
+                    creates: bool = False) -> tuple[Admission, str]:
+        """Join the conversation's line; run now, or wait to be woken (`request` is kept for that).
+        "refused" (with why, one of `REFUSALS`) when the turn may not write into the conversation:
+        another tenant's (`tenant_id` given), one that exists when the turn `creates` it, or one
+        whose messages hold the turn's id already."""
         k = self.keys
         reply = await self._run(
             "admit",
             [k.turn(turn_id), k.cancel_flag(turn_id), k.running(), k.turn_queue(conversation_id),
              k.lease(conversation_id), k.waiting(conversation_id), k.queue_messages(self.graph.first.queue),
-             k.queue(self.graph.first.queue), k.activity()],
+             k.queue(self.graph.first.queue), k.activity(), k.conversation(conversation_id),
+             k.messages(conversation_id)],
             lua.payload(turn_id=turn_id, conversation_id=conversation_id, now=now,
                         done=f"done:{self.graph.first.name}", channel=k.doorbell_channel(),
-                        queue=self.graph.first.queue, activity=self.settings.retention_days > 0),
+                        queue=self.graph.first.queue, activity=self.settings.retention_days > 0,
+                        tenant_id=tenant_id, creates=creates),
             request,
         )
         status = cast(Admission, text(reply[0]))
@@ -162,7 +176,8 @@ class TurnStore(StoreBase):
         decision: Mapping[str, Any] | None = None,
     ) -> str:
         """Finish `stage` and enqueue `next_` in one atomic step; see advance.lua. `decision` is stored
-        with the turn's message, for the record and for the next turn (`Store.decision`)."""
+        with the turn's message, for the record and for the next turn (`Store.decision`). An `accept`
+        into a conversation the turn may not write is refused: the answer is one of `REFUSALS`."""
         k = self.keys
         queue, message_id, data = self._message(next_, now_ms)
         cid = conversation_id or "-"
@@ -171,7 +186,8 @@ class TurnStore(StoreBase):
         if accept is not None:
             fields["accept"] = {"conversation": conversation_to_hash(accept.conversation),
                                 "conversation_id": accept.conversation.id,
-                                "deadline_at": repr(accept.deadline_at), "message_id": accept.row.id}
+                                "deadline_at": repr(accept.deadline_at), "message_id": accept.row.id,
+                                "creates": accept.creates}
             row = accept.row.model_dump_json()
         if decision:
             fields["decision"] = json.dumps(decision, separators=(",", ":"))
@@ -207,12 +223,25 @@ class TurnStore(StoreBase):
         return text(reply)
 
     async def finish(self, f: Finish, *, now: float) -> str:
-        """The one terminal write of a turn. Returns "ok", "already" (a no-op) or "stale"."""
+        """The one terminal write of a turn. Returns "ok", "already" (a no-op) or "stale"; or one of
+        `REFUSALS` when the row may not be written (another tenant's conversation, or a row the turn
+        did not accept): then the turn ends `failed` with the refusal's code and no row instead."""
+        reply = await self._finish(f, now=now)
+        if text(reply[0]) != "refused":
+            return text(reply[0])
+        why = text(reply[1])
+        error = refusal_error(cast(Refusal, why), turn_id=f.turn_id, conversation_id=f.conversation_id)
+        failed = events.terminal(f.turn_id, f.event.attempt, "failed", code=error.code, message=error.message)
+        await self._finish(dataclasses.replace(f, event=failed, message=None, snapshot=None, pending_tool_calls=()),
+                           now=now)
+        return why
+
+    async def _finish(self, f: Finish, *, now: float) -> Any:
         k = self.keys
         cid = f.conversation_id or "-"
         usage = f.message.usage if f.message is not None else None
         admit_queue = self.graph.first.queue
-        reply = await self._run(
+        return await self._run(
             "finish",
             [k.turn(f.turn_id), k.events(f.turn_id), k.cancel_flag(f.turn_id), k.model_claim(f.turn_id), k.running(),
              k.conversation(cid), k.messages(cid), k.snapshots(cid), k.lease(cid), k.turn_queue(cid), k.waiting(cid),
@@ -224,11 +253,10 @@ class TurnStore(StoreBase):
                 usage=usage.model_dump() if usage else {}, pending=json.dumps(list(f.pending_tool_calls)),
                 channel=k.doorbell_channel(), admit_queue=admit_queue,
                 events=[*(events.encode(e) for e in f.before), events.encode(f.event)],
-                activity=self.settings.retention_days > 0,
+                activity=self.settings.retention_days > 0, tenant_id=f.tenant_id,
             ),
             f.message.model_dump_json() if f.message else "", f.snapshot or "",
         )
-        return text(reply[0])
 
     async def stalled(self, turn_id: str, *, now: float, max_recoveries: int, stall_s: float | None = None,
                       recheck_s: float | None = None) -> Stall:

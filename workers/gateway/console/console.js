@@ -24,6 +24,8 @@ function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [name, value] of Object.entries(attrs)) {
     if (name === "class") node.className = value;
+    // styles through the CSSOM: the gateway's Content-Security-Policy refuses inline style attributes
+    else if (name === "style") Object.assign(node.style, value);
     else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
     else if (value !== null && value !== undefined) node.setAttribute(name, value);
   }
@@ -259,7 +261,7 @@ function renderBudget(record, byId) {
     "aria-label": shown.map(([, label, tokens]) => `${label} ${tokens}`).join(", ") },
     ...shown.map(([part, label, tokens]) => el("span", {
       class: "seg " + part, "data-part": part, "data-tokens": tokens, title: `${label}: ${tokens} tokens`,
-      style: `flex-basis: ${(100 * tokens) / total}%`,
+      style: { flexBasis: `${(100 * tokens) / total}%` },
     })));
   const legend = el("ul", { class: "legend" }, ...shown.map(([part, label, tokens]) =>
     el("li", {}, el("i", { class: "seg " + part }), ` ${label} ${tokens}`)));

@@ -8,11 +8,13 @@
 -- ARGV[1] JSON {stage, turn_id, fence ("" = not checked), now, artifact_ttl_ms, next_id,
 --               next_queue, channel, events: [event...],
 --               accept (absent, or {conversation: {field: value}, conversation_id, deadline_at,
---               message_id}),
+--               message_id, creates (the turn starts the conversation)}),
 --               decision (absent, or the stage's decision record as JSON text, kept under
 --               "<message id = turn id>:<stage>")}
 -- ARGV[2] the artifact   ARGV[3] the next stage's message   ARGV[4] the pending message row
--- Returns 'ok' | 'terminal' | 'done' | 'stale'
+-- Returns 'ok' | 'terminal' | 'done' | 'stale' | a refusal, nothing written: 'foreign_conversation'
+-- (another tenant's), 'conversation_exists' (a first turn's conversation exists), 'message_exists'
+-- (the message id names a row the turn did not write: its id was used before)
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
 local status = redis.call('HGET', turn, 'status')
@@ -21,6 +23,13 @@ if redis.call('HEXISTS', turn, 'done:' .. a.stage) == 1 then return 'done' end
 if a.fence ~= '' and (redis.call('HGET', KEYS[5], 'turn') ~= a.turn_id
                       or redis.call('HGET', KEYS[5], 'fence') ~= a.fence) then
   return 'stale'
+end
+if a.accept then
+  local refusal = conversation_refusal(KEYS[6], KEYS[7], a.accept.conversation.tenant_id, a.accept.creates,
+                                       a.accept.message_id)
+  -- an accept the turn made before (a redelivery past its done marker) finds its own conversation and row
+  local again = redis.call('HGET', turn, 'message_id') == a.accept.message_id
+  if refusal and not (again and refusal ~= 'foreign_conversation') then return refusal end
 end
 if a.accept then
   if redis.call('EXISTS', KEYS[6]) == 0 then

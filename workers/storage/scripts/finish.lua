@@ -8,9 +8,12 @@
 -- ARGV[1] JSON {turn_id, status, conversation_id ("" = none), message_id ("" = not accepted),
 --               fence, now, ttl_s, usage {name: count}, pending (JSON text), channel,
 --               admit_queue, events: [event..., the terminal event last],
---               activity (keep the activity index: retention is on)}
+--               activity (keep the activity index: retention is on), tenant_id (the turn's)}
 -- ARGV[2] the message row   ARGV[3] the snapshot ("" = keep what is stored as it is)
--- Returns {'ok'} | {'already', status} | {'stale'}
+-- A row is written only into a conversation of the turn's own tenant, and only where the turn's
+-- accept put its pending row; anything else is refused and nothing is written (the caller ends the
+-- turn `failed` without a row).
+-- Returns {'ok'} | {'already', status} | {'stale'} | {'refused', 'foreign_conversation' | 'message_exists'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
 local status = redis.call('HGET', turn, 'status')
@@ -19,6 +22,8 @@ local holder = false
 if a.conversation_id ~= '' then holder = redis.call('HGET', KEYS[9], 'turn') end
 if a.message_id ~= '' then
   if holder ~= a.turn_id or redis.call('HGET', KEYS[9], 'fence') ~= a.fence then return {'stale'} end
+  if redis.call('HGET', KEYS[6], 'tenant_id') ~= a.tenant_id then return {'refused', 'foreign_conversation'} end
+  if redis.call('HGET', turn, 'message_id') ~= a.message_id then return {'refused', 'message_exists'} end
   redis.call('HSET', KEYS[7], a.message_id, ARGV[2])
   if ARGV[3] ~= '' then redis.call('HSET', KEYS[8], a.message_id, ARGV[3]) end
   redis.call('HSET', KEYS[6], 'tip', a.message_id, 'pending', a.pending)

@@ -59,3 +59,14 @@ local function slot_hold(holders, token, expiry)
   local last = redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')
   redis.call('PEXPIREAT', holders, string.format('%.0f', tonumber(last[2]) + 1000))
 end
+
+-- Why a turn of `tenant` may not write into a conversation (nil: it may): the conversation is another
+-- tenant's; or the turn would create it (`creates`) and it exists; or its message id names a row
+-- already. A conversation's tenant is part of its record, so scope is checked where it is written.
+local function conversation_refusal(conversation, messages, tenant, creates, message_id)
+  local owner = redis.call('HGET', conversation, 'tenant_id')
+  if owner and tenant and tenant ~= '' and owner ~= tenant then return 'foreign_conversation' end
+  if owner and creates then return 'conversation_exists' end
+  if redis.call('HEXISTS', messages, message_id) == 1 then return 'message_exists' end
+  return nil
+end

@@ -3,16 +3,21 @@
 -- that already ended takes no place (a producer retrying its submission must not block the line).
 -- With an owner (the gateway's tenant), the turn is recorded as that tenant's, once: a turn that
 -- already exists is not enqueued again, and its owner (or "" when it has none) is returned instead.
+-- Nor does it take a place in the line of another tenant's conversation: that is refused, and
+-- nothing is written.
 -- KEYS[1] the queue's messages   KEYS[2] the queue   KEYS[3] the conversation's line   KEYS[4] the turn
+-- KEYS[5] the conversation (absent: not checked)
 -- ARGV[1] JSON {message_id, turn_id ("" = do not take a place in the line), channel, queue,
 --               owner (absent or "": no owner recorded, enqueued whatever exists)}
 -- ARGV[2] the dramatiq message
--- Returns 1 (enqueued) | {'exists', owner}
+-- Returns 1 (enqueued) | {'exists', owner} | {'foreign_conversation'}
 local a = cjson.decode(ARGV[1])
 if a.owner and a.owner ~= '' then
   if redis.call('EXISTS', KEYS[4]) == 1 then
     return {'exists', redis.call('HGET', KEYS[4], 'tenant_id') or ''}
   end
+  local tenant = KEYS[5] and redis.call('HGET', KEYS[5], 'tenant_id')
+  if tenant and tenant ~= a.owner then return {'foreign_conversation'} end
   redis.call('HSET', KEYS[4], 'tenant_id', a.owner)
 end
 local status = redis.call('HGET', KEYS[4], 'status')

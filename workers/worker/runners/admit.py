@@ -4,6 +4,7 @@ line, pin the config, check scope, accept — or refuse before anything of the c
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import structlog
 from dramatiq.middleware import CurrentMessage
@@ -21,10 +22,10 @@ from threadline.pipeline.contracts import (
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
 from threadline.pipeline.persist import new_conversation, pending_row
 from threadline.pipeline.records import ConversationRecord, ResolvedTurn
-from threadline.pipeline.resolve import choose_config, resolve_turn
+from threadline.pipeline.resolve import Refusal, choose_config, refusal_error, resolve_turn
 from threadline.pipeline.stages import Stage
 from threadline.workers.protocol.wire import build_message
-from threadline.workers.storage.turns import WAKE_ID, Accept, Begin, Next
+from threadline.workers.storage.turns import REFUSALS, WAKE_ID, Accept, Begin, Next
 from threadline.workers.telemetry import tracing
 from threadline.workers.worker.runners.common import (
     Malformed,
@@ -53,8 +54,10 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
     try:
         if isinstance(request, Malformed):
             raise InvalidRequest("a turn message carries exactly one argument: the turn request")
-        req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=rt.settings.max_query_chars,
-                                 max_context_chars=rt.settings.max_context_chars)
+        settings = rt.settings
+        req = parse_turn_request(request, fallback_turn_id=turn_id, max_query_chars=settings.max_query_chars,
+                                 max_context_chars=settings.max_context_chars,
+                                 max_inputs_chars=settings.max_inputs_chars, max_files=settings.max_files)
     except ThreadlineError as e:
         # a producer may have put the turn in its conversation's line: take it out again
         cid = extract_conversation_id(request) or new_conversation_id(turn_id)
@@ -71,7 +74,13 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         return
     _, _, wake = build_message(stage.queue, stage.name, (req.model_dump(mode="json", by_alias=True),),
                                message_id=WAKE_ID, now_ms=message.message_timestamp)
-    admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake)
+    admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake, tenant_id=req.tenant_id,
+                                            creates=req.conversation_id is None)
+    if admission == "refused":
+        # the conversation changed under the turn since it was checked: the script's check is the last word
+        error = refusal_error(cast(Refusal, ahead), turn_id=turn_id, conversation_id=cid)
+        await rt.end_turn(turn_id, "failed", code=error.code, message=error.message, conversation_id=cid)
+        return
     if admission == "cancelled":
         await rt.end_turn(turn_id, "cancelled", code="cancelled", conversation_id=cid,
                           message=f"cancelled before {stage.name}: the turn never started")
@@ -120,16 +129,29 @@ async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool)
             if must_exist:
                 await rt.store.load_conversation(req.conversation_id)  # raises conversation_not_found
             return None
+    existing, taken = await _target(rt, req, cid, conversation)
     config, ref = await rt.store.load_config(req.agent_id, choose_config(req, conversation))
     parent = req.parent_message_id
     parent_known = parent in (None, "root") or (
         conversation is not None and await rt.store.has_message(conversation.id, str(parent)))
     resolved, decision = resolve_turn(req, conversation=conversation, config=config, config_ref=ref,
-                                      new_conversation_id=cid, now=rt.now(), clock=time.monotonic,
-                                      parent_known=parent_known)
+                                      new_conversation_id=cid, now=rt.now(),
+                                      parent_known=parent_known, existing=existing, message_taken=taken)
     log.info("resolved", config_ref=decision.config_ref, new_conversation=decision.new_conversation,
              missing_variables=decision.missing_variables)
     return resolved
+
+
+async def _target(rt: Runtime, req: TurnRequest, cid: str,
+                  conversation: ConversationRecord | None) -> tuple[ConversationRecord | None, bool]:
+    """What the turn would write over: the conversation a first turn's id names (when it exists) and
+    whether its message id names a row already. Either is the turn's own doing when it was accepted
+    before (a redelivery: its admit stage is done, and admit.lua says so) — then nothing is in the way."""
+    existing = await rt.store.find_conversation(cid) if conversation is None else None
+    taken = conversation is not None and await rt.store.has_message(cid, req.turn_id)
+    if (existing is not None or taken) and (await rt.store.turn_state(req.turn_id)).message_id == req.turn_id:
+        return None, False
+    return existing, taken
 
 
 async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begin, t0: float) -> None:
@@ -144,11 +166,16 @@ async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begi
                                config_version=resolved.config_ref)
     # `accepted` is the first event of a turn; the admit stage's own `started` follows it
     started = events.StageEvent(turn_id=turn_id, stage=stage.name, status="started")
-    await rt.store.advance(
+    result = await rt.store.advance(
         turn_id, stage.name, next_=Next(following.name, Envelope(turn_id=turn_id, stage=following.name).model_dump(),
                                         rt.new_id()),
         now=rt.now(), now_ms=rt.now_ms(), artifact=resolved.model_dump_json(),
         events_=[accepted, started, finished_event(s, stage, decision)], fence=begin.fence,
         conversation_id=resolved.conversation_id, decision=decision,
-        accept=Accept(new_conversation(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s),
+        accept=Accept(new_conversation(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s,
+                      creates=resolved.new_conversation),
     )
+    if result in REFUSALS:
+        error = refusal_error(cast(Refusal, result), turn_id=turn_id, conversation_id=resolved.conversation_id)
+        await rt.end_turn(turn_id, "failed", code=error.code, message=error.message,
+                          conversation_id=resolved.conversation_id)

@@ -98,11 +98,3 @@ async def hand_over(rt: Runtime, stage: Stage, s: Started, artifact: str,
         artifact=artifact, events_=[*before, finished_event(s, stage, decision)], fence=s.begin.fence,
         conversation_id=s.turn.conversation_id, decision=decision,
     )
-
-
-def warn_if_timed_out(guard: Mapping[str, object] | None) -> None:
-    """A guard pattern that ran out of its time budget refused a text without knowing: the operator
-    should fix the pattern (it backtracks catastrophically on some texts)."""
-    if guard and guard.get("timed_out"):
-        log.warning("guard_pattern_timed_out", rule=guard.get("rule"),
-                    hint="the text was refused unread: rewrite this pattern so that it cannot backtrack")

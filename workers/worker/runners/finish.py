@@ -13,13 +13,12 @@ from threadline.pipeline.invoke import (
 )
 from threadline.pipeline.persist import final_row
 from threadline.pipeline.stages import Stage
-from threadline.workers.storage.turns import Finish
+from threadline.workers.storage.turns import REFUSALS, Finish
 from threadline.workers.telemetry import metrics, tracing
 from threadline.workers.worker.runners.common import (
     envelope_of,
     finished_event,
     start_stage,
-    warn_if_timed_out,
 )
 from threadline.workers.worker.runtime import Runtime
 
@@ -35,7 +34,6 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
                     code=outcome.code, tools=outcome.tools)
     if outcome.guard:
         row = row.model_copy(update={"guard": outcome.guard})
-        warn_if_timed_out(outcome.guard)
     terminal = events.terminal(
         env.turn_id, s.begin.attempt, outcome.status, answer=outcome.answer, usage=outcome.usage,
         code=outcome.code, message=outcome.message, pending_tool_calls=outcome.pending_tool_calls,
@@ -47,6 +45,10 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
                tenant_id=turn.tenant_id, before=[finished_event(s, stage)]),
         now=rt.now(),
     )
+    if result in REFUSALS:
+        # not the turn's tenant's conversation, or not the row its accept wrote: the turn ended `failed`
+        log.warning("persist_refused", reason=result)
+        return
     log.info("persisted", status=outcome.status, write=result, snapshot=outcome.snapshot is not None)
     metrics.turn_ended(terminal, write=result, turn=turn)
     tracing.turn_ended(terminal, write=result, turn=turn, now=rt.now())

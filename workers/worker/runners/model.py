@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from functools import partial
 
@@ -106,7 +105,7 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
     deadline_at = s.begin.deadline_at or rt.now() + turn.deadline_s
     translator = RunEvents(turn_id, attempt, TextDebouncer(window_s=rt.settings.debounce_ms / 1000),
                            tool_payload_chars=rt.settings.max_text_chars,
-                           guard=stream_guard(turn.config.guards, time.monotonic))
+                           guard=stream_guard(turn.config.guards))
     spec = turn.config.model
     async with (_claim_heartbeat(rt, turn_id),
                 turn_limiter(rt.store, turn.config.id, limit=spec.max_concurrency, turn_id=turn_id) as limiter,
