@@ -89,6 +89,8 @@ class TurnRequest(_Wire):
     draft_id: Id | None = None
     deferred_tool_results: DeferredAnswers | None = None
     deadline_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+    #: "off": the turn neither recalls nor feeds long-term memory (`memory.long_term`).
+    memory: Literal["on", "off"] = "on"
 
     @property
     def is_resume(self) -> bool:

@@ -32,8 +32,9 @@ from pydantic_core import ValidationError
 from .budget import BudgetParts, TurnCost, Window, choose_window
 from .contracts import FileRef
 from .errors import InvalidRequest, SnapshotCorrupt
+from .recall import RecallIndex
 from .records import MessageRecord
-from .tokens import Tokenizer, count_messages
+from .tokens import MESSAGE_OVERHEAD_TOKENS, Tokenizer, count_messages
 
 
 def extract_thread(messages: Iterable[MessageRecord], start_id: str | None) -> tuple[list[MessageRecord], bool]:
@@ -236,25 +237,42 @@ class ThreadRead:
     #: Set when the configured counter could not count (the provider's endpoint failed): what it
     #: was and why; `tokenizer` then names the local fallback that counted instead.
     tokenizer_fallback: str | None = None
+    #: The user's long-term memory, when the turn recalls it (the shell read the partition's current
+    #: records and indexed them); None: no recall.
+    recall: RecallRead | None = None
 
 
-def budgeted_history(read: ThreadRead, *,
-                     low_water: float) -> tuple[list[ModelMessage], Window, str | None, dict[str, int]]:
-    """The messages of the newest whole turns that fit the budget, the window they form, the
-    watermark of the summary that stands in for the turns dropped before it (if any), and what
-    became of the kept turns' files (`FileTally`)."""
+@dataclass(frozen=True, slots=True)
+class RecallRead:
+    """One memory partition's current records, indexed, and the local tokenizer the block is counted
+    with (a provider's count endpoint is not asked: the block is counted a few times while it fits)."""
+
+    index: RecallIndex
+    tokenizer: Tokenizer
+
+    def count(self, text: str) -> int:
+        """The block's tokens as the history carries it: its message and the acknowledgement's."""
+        return self.tokenizer.count(text) + 2 * MESSAGE_OVERHEAD_TOKENS + 1
+
+
+def budgeted_history(read: ThreadRead, *, low_water: float,
+                     reserved: int = 0) -> tuple[list[ModelMessage], Window, str | None, dict[str, int]]:
+    """The messages of the newest whole turns that fit the budget (less `reserved` tokens, recall's
+    share), the window they form, the watermark of the summary that stands in for the turns dropped
+    before it (if any), and what became of the kept turns' files (`FileTally`)."""
+    history = max(0, read.budget.history - reserved)
     replayed = _replayed_turns(read)
     counts = dict(read.counts)
     if read.counter is not None:
         counts.update({mid: count_messages(messages, read.counter) for mid, (messages, _) in replayed.items()})
     costs = [TurnCost(r.id, counts[r.id]) for r in read.rows]
-    window = choose_window(costs, budget=read.budget.history, previous_start=read.previous_start,
+    window = choose_window(costs, budget=history, previous_start=read.previous_start,
                            low_water=low_water)
     watermark = _summary_for(read, window) if window.dropped or not read.complete else None
     summary: list[ModelMessage] = []
     if watermark is not None:
         text, tokens = read.summaries[watermark]
-        window = choose_window(costs, budget=max(0, read.budget.history - tokens),
+        window = choose_window(costs, budget=max(0, history - tokens),
                                previous_start=read.previous_start, low_water=low_water)
         summary = summary_messages(text)
     kept = set(window.kept)

@@ -84,3 +84,6 @@ class ResolvedTurn(_Record):
     tenant_id: str
     app_id: str
     user_id: str
+    agent_id: str = ""
+    #: The request's `memory` flag: "off" turns neither recall nor feed long-term memory.
+    memory: Literal["on", "off"] = "on"

@@ -138,6 +138,8 @@ def resolve_turn(
         tenant_id=request.tenant_id,
         app_id=request.app_id,
         user_id=request.user_id,
+        agent_id=request.agent_id,
+        memory=request.memory,
     )
     return resolved, ResolveDecision(config_ref, conversation is None, missing, guard)
 

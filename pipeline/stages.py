@@ -11,6 +11,9 @@ Five kinds of stage, each run by one generic runner in `workers/` (none of which
 - `finish`: the one terminal write of the turn.
 - `compaction`: after the turn ended, off the critical path (only for agents that configure
   `memory.compaction`): the turns that fell out of the window are summarised for the next turns.
+- `memory`: after the turn ended, off its critical path too (only for agents that configure
+  `memory.long_term`): the ended turns of a user's memory partition are extracted and consolidated
+  into long-term memory, debounced (one extraction per partition at a time).
 
 Artifacts are JSON text stored under turn-scoped keys named after the stage that wrote them; a
 stage reads the admit stage's artifact and the previous stage's.
@@ -24,10 +27,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from .config import LongTermSpec
     from .history import ThreadRead
+    from .recall import Recall
     from .records import ResolvedTurn
 
-StageKind = Literal["admit", "transform", "model", "finish", "compaction"]
+StageKind = Literal["admit", "transform", "model", "finish", "compaction", "memory"]
+#: Kinds that run after the turn ended, off its critical path: after the finish stage in the graph,
+#: never handed over to.
+AFTER_TURN: frozenset[StageKind] = frozenset({"compaction", "memory"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +74,10 @@ class StageGraph:
     """An ordered chain of stages: one `admit` first, one `finish` last."""
 
     def __init__(self, stages: Sequence[Stage]) -> None:
-        turn = [s for s in stages if s.kind != "compaction"]
+        turn = [s for s in stages if s.kind not in AFTER_TURN]
         if len(turn) < 2 or turn[0].kind != "admit" or turn[-1].kind != "finish" or stages[len(turn) - 1] != turn[-1]:
             raise ValueError("a stage graph starts with its admit stage and ends with its finish stage "
-                             "(compaction stages come after it)")
+                             "(compaction and memory stages come after it)")
         names = [s.name for s in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique: {names}")
@@ -100,12 +108,12 @@ class StageGraph:
         """The stage a turn hands over to (none after the finish stage)."""
         i = self.names.index(name)
         following = self.stages[i + 1] if i + 1 < len(self.stages) else None
-        return None if following is None or following.kind == "compaction" else following
+        return None if following is None or following.kind in AFTER_TURN else following
 
     @property
     def turn_stages(self) -> tuple[Stage, ...]:
-        """The stages a turn runs through, admit to finish (compaction runs after the turn)."""
-        return tuple(s for s in self.stages if s.kind != "compaction")
+        """The stages a turn runs through, admit to finish (compaction and memory run after the turn)."""
+        return tuple(s for s in self.stages if s.kind not in AFTER_TURN)
 
     def previous(self, name: str) -> Stage:
         i = self.names.index(name)
@@ -130,10 +138,23 @@ def history_stage(given: StageInput) -> StageOutput:
     # imported when a worker runs the stage, not with the graph: producers and operators read the
     # graph (queue names) without loading pydantic-ai
     from .history import budgeted_history, encode_messages
+    from .recall import recall_budget, recall_messages
 
     read: ThreadRead = given.loaded["thread"]
-    messages, window, summary, files = budgeted_history(read, low_water=given.turn.config.memory.low_water)
+    turn = given.turn
+    spec = turn.config.memory.long_term if turn.memory != "off" and read.recall is not None else None
+    reserved = recall_budget(spec, history_budget=read.budget.history) if spec and spec.order == "recall_first" else 0
+    messages, window, summary, files = budgeted_history(read, low_water=turn.config.memory.low_water,
+                                                        reserved=reserved)
     budget = read.budget
+    recalled = None
+    if spec is not None and read.recall is not None:
+        kept = window.tokens + (read.summaries[summary][1] if summary else 0)
+        share = reserved if spec.order == "recall_first" else recall_budget(
+            spec, history_budget=read.budget.history, kept_history_tokens=kept)
+        recalled = _recall(given, spec, read, share)
+        # right before the query, after the kept history: the newest thing the model reads
+        messages = [*messages, *recall_messages(recalled)]
     record = {
         "tokenizer": read.tokenizer,
         **({"tokenizer_fallback": read.tokenizer_fallback} if read.tokenizer_fallback else {}),
@@ -146,8 +167,23 @@ def history_stage(given: StageInput) -> StageOutput:
         "summary": {"watermark": summary, "tokens": read.summaries[summary][1]} if summary else None,
         "messages_out": len(messages),
         "files": files,
+        **({"recall": recalled.decision()} if recalled is not None else {}),
     }
     return StageOutput(encode_messages(messages).decode(), record)
+
+
+def _recall(given: StageInput, spec: LongTermSpec, read: ThreadRead, share: int) -> Recall:
+    """The recalled block within its `share` of the history budget: the reserved one
+    (`recall_first`), or what the kept turns left (`history_first`). The partition is the turn's own
+    (`recall` refuses an index of another)."""
+    from .memory import scope_for
+    from .recall import recall
+
+    assert read.recall is not None
+    turn = given.turn
+    scope = scope_for(spec.scope, tenant_id=turn.tenant_id, user_id=turn.user_id, app_id=turn.app_id,
+                      agent_id=turn.agent_id)
+    return recall(read.recall.index, turn.query, spec=spec, scope=scope, count=read.recall.count, budget=share)
 
 
 def map_stage(given: StageInput) -> StageOutput:
@@ -168,4 +204,5 @@ DEFAULT_GRAPH = StageGraph([
     Stage("invoke", "model"),
     Stage("persist", "finish"),
     Stage("compact", "compaction"),
+    Stage("remember", "memory"),
 ])

@@ -517,7 +517,8 @@ def defined_series(redis_url: str) -> set[str]:
                 for m in c.describe()]
     client = redis.Redis.from_url(redis_url)
     try:
-        families += list(metrics_server.QueueCollector(Operations(client, Keys(f"tlg{uuid.uuid4().hex[:6]}"))).collect())
+        operations = Operations(client, Keys(f"tlg{uuid.uuid4().hex[:6]}"))
+        families += list(metrics_server.QueueCollector(operations).collect())
     finally:
         client.close()
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

@@ -59,8 +59,9 @@ def noop(given: StageInput) -> StageOutput:
 
 
 def test_the_default_graph_names_the_five_stages_in_order() -> None:
-    assert DEFAULT_GRAPH.names == ("resolve", "history", "map", "invoke", "persist", "compact")
-    assert [s.kind for s in DEFAULT_GRAPH] == ["admit", "transform", "transform", "model", "finish", "compaction"]
+    assert DEFAULT_GRAPH.names == ("resolve", "history", "map", "invoke", "persist", "compact", "remember")
+    assert [s.kind for s in DEFAULT_GRAPH] == ["admit", "transform", "transform", "model", "finish", "compaction",
+                                               "memory"]
     assert [s.name for s in DEFAULT_GRAPH.turn_stages] == ["resolve", "history", "map", "invoke", "persist"]
     assert [s.queue for s in DEFAULT_GRAPH] == list(DEFAULT_GRAPH.names)
     assert DEFAULT_GRAPH.first.name == "resolve"
@@ -79,9 +80,9 @@ def test_next_and_previous_walk_the_table() -> None:
 
 def test_a_stage_is_added_with_one_entry_and_the_original_graph_is_unchanged() -> None:
     audited = DEFAULT_GRAPH.with_stage(Stage("audit", "transform", noop), after="map")
-    assert audited.names == ("resolve", "history", "map", "audit", "invoke", "persist", "compact")
+    assert audited.names == ("resolve", "history", "map", "audit", "invoke", "persist", "compact", "remember")
     assert audited.next("map") == audited["audit"] and audited.previous("invoke") == audited["audit"]
-    assert DEFAULT_GRAPH.names == ("resolve", "history", "map", "invoke", "persist", "compact")
+    assert DEFAULT_GRAPH.names == ("resolve", "history", "map", "invoke", "persist", "compact", "remember")
 
 
 @pytest.mark.parametrize(("stages", "message"), [

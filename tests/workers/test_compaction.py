@@ -17,8 +17,8 @@ from threadline.pipeline.history import SUMMARY_HEADER, decode_messages
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
-from threadline.workers.storage.store import Store
 from threadline.workers.storage.conversations import CachedCounts
+from threadline.workers.storage.store import Store
 from threadline.workers.worker.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.integration

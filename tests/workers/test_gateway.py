@@ -61,7 +61,10 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(workers: WorkerPool, redis_url: str, prefix: str) -> Iterator[Api]:
-    settings = dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": "2000", "TL_MAX_BODY_BYTES": "65536"}),
+    # no per-key request rate: these tests send faster than the default 20/s (tests/workers/test_gateway_keys.py
+    # tests the limits)
+    settings = dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": "2000", "TL_MAX_BODY_BYTES": "65536",
+                                                      "TL_KEY_RPS": "0"}),
                                    prefix=prefix, redis_url=redis_url)
     with running_gateway(settings, redis_url) as base:
         client = Client(redis_url, prefix=prefix)

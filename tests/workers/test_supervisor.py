@@ -23,8 +23,8 @@ from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
-from threadline.workers.worker.reachability import Reachability
 from threadline.workers.worker.process import Supervisor, restart_delay_s
+from threadline.workers.worker.reachability import Reachability
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -35,6 +35,7 @@ from threadline.workers.cli.common import (
     seconds,
 )
 from threadline.workers.cli.gateway import add_gateway_parsers
+from threadline.workers.cli.memory import add_memory_parser
 from threadline.workers.cli.operations import add_operations_parser
 from threadline.workers.cli.serve import cmd_demo, cmd_worker
 from threadline.workers.cli.turns import (
@@ -134,6 +135,7 @@ def parser() -> argparse.ArgumentParser:
     add_conversations_parser(sub)
     add_operations_parser(sub)
     add_gateway_parsers(sub)
+    add_memory_parser(sub)
 
     turn = sub.add_parser("turn", help="inspect a turn").add_subparsers(dest="turn", required=True)
     show = turn.add_parser("show", help="what a turn decided: budget, turns kept and dropped, tokenizer")

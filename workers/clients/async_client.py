@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
@@ -17,9 +18,17 @@ from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.workers.clients.common import (
     ADMIT_ACTOR,
     ADMIT_QUEUE,
+    MEMORY_ATTEMPTS,
     BaseHandle,
     TurnIdTaken,
     checked_request,
+    edited_record,
+    forgets_everything,
+    found_memory,
+    listed_memory,
+    memory_edit,
+    memory_forgetting,
+    memory_scope,
     owner_of,
     read_block_ms,
     resume_body,
@@ -37,9 +46,11 @@ from threadline.workers.storage import lua
 
 if TYPE_CHECKING:
     from threadline.pipeline.events import Event, Terminal
+    from threadline.pipeline.memory import MemoryRecord
     from threadline.pipeline.records import ConversationRecord, MessageRecord
     from threadline.workers.protocol.schema import TurnState
     from threadline.workers.storage.conversations import DeleteResult
+    from threadline.workers.storage.memory import MemoryStore
 
 
 class AsyncTurnHandle(BaseHandle):
@@ -263,10 +274,62 @@ class AsyncClient:
         for _ in range(DELETE_ATTEMPTS):
             rows = {text(mid): turn_of_row(row)
                     async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
-            stored = await self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
+            stored, user = await self.redis.hmget(self.keys.conversation(conversation_id), ["tenant_id", "user_id"])
             keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
                                  stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, await self._delete(keys=keys, args=[arg]))
             if result is not None:
+                if result.status == "deleted" and stored is not None and user is not None:
+                    # what long-term memory extracted from it goes with it
+                    await self.memory_store.forget_conversation(text(stored), conversation_id, text(user))
                 return result
         return DeleteResult("busy", conversation_id)
+
+    # --- long-term memory: list, correct, forget -----------------------------------------------
+
+    @cached_property
+    def memory_store(self) -> MemoryStore:
+        from threadline.workers.storage.memory import MemoryStore
+
+        return MemoryStore(self.redis, self.keys)
+
+    async def memory(self, tenant_id: str, user_id: str, *, app_id: str | None = None, agent_id: str | None = None,
+                     history: bool = False) -> list[MemoryRecord]:
+        """As `Client.memory`."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        records = (await self.memory_store.read(scope))[0] if history else await self.memory_store.current(scope)
+        return listed_memory(records, scope, history=history)
+
+    async def memory_record(self, tenant_id: str, user_id: str, record_id: str, *, app_id: str | None = None,
+                            agent_id: str | None = None) -> MemoryRecord:
+        """As `Client.memory_record`."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        return found_memory((await self.memory_store.read(scope))[0], scope, record_id)
+
+    async def set_memory(self, tenant_id: str, user_id: str, *, value: str, key: str | None = None,
+                         record_id: str | None = None, note: bool = False, origin: str = "user",
+                         app_id: str | None = None, agent_id: str | None = None) -> MemoryRecord:
+        """As `Client.set_memory`."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        for _ in range(MEMORY_ATTEMPTS):
+            records, revision = await self.memory_store.read(scope)
+            now = time.time()
+            edit = memory_edit(records, scope, value=value, key=key, record_id=record_id, note=note, origin=origin,
+                               now=now)
+            if not edit.changed or await self.memory_store.apply(scope, edit, revision=revision, now=now):
+                return edited_record(edit)
+        raise RuntimeError("the memory kept changing; try again")
+
+    async def forget_memory(self, tenant_id: str, user_id: str, *, key: str | None = None,
+                            record_id: str | None = None, all: bool = False, app_id: str | None = None,
+                            agent_id: str | None = None) -> int:
+        """As `Client.forget_memory`."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        if forgets_everything(scope, key=key, record_id=record_id, everything=all):
+            return await self.memory_store.forget_all(scope)
+        for _ in range(MEMORY_ATTEMPTS):
+            records, revision = await self.memory_store.read(scope)
+            gone = memory_forgetting(records, scope, key=key, record_id=record_id)
+            if not gone.changed or await self.memory_store.apply(scope, gone, revision=revision):
+                return len(gone.deletes)
+        raise RuntimeError("the memory kept changing; try again")

@@ -30,9 +30,17 @@ from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.common import (
     ADMIT_ACTOR,
     ADMIT_QUEUE,
+    MEMORY_ATTEMPTS,
     BaseHandle,
     TurnIdTaken,
     checked_request,
+    edited_record,
+    forgets_everything,
+    found_memory,
+    listed_memory,
+    memory_edit,
+    memory_forgetting,
+    memory_scope,
     owner_of,
     read_block_ms,
     resume_body,
@@ -56,10 +64,12 @@ if TYPE_CHECKING:
 
     from threadline.pipeline.config import AgentConfig
     from threadline.pipeline.events import Event, Terminal
+    from threadline.pipeline.memory import MemoryRecord
     from threadline.pipeline.records import ConversationRecord, MessageRecord
     from threadline.workers.protocol.schema import TurnState
     from threadline.workers.storage.agents import AgentRegistry, AgentSummary, AgentVersions, PutResult
     from threadline.workers.storage.conversations import DeleteResult
+    from threadline.workers.storage.memory import SyncMemoryStore
 
 class TurnHandle(BaseHandle):
     """A submitted turn, to be followed, waited for, cancelled and resumed. `created` is False when
@@ -443,11 +453,14 @@ class Client:
         for _ in range(DELETE_ATTEMPTS):
             rows = {text(mid): turn_of_row(row)
                     for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
-            stored = self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
+            stored, user = self.redis.hmget(self.keys.conversation(conversation_id), ["tenant_id", "user_id"])
             keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
                                  stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, self._delete(keys=keys, args=[arg]))
             if result is not None:
+                if result.status == "deleted" and stored is not None and user is not None:
+                    # what long-term memory extracted from it goes with it
+                    self.memory_store.forget_conversation(text(stored), conversation_id, text(user))
                 return result
         return DeleteResult("busy", conversation_id)
 
@@ -455,6 +468,59 @@ class Client:
         from threadline.workers.protocol.schema import as_bytes
 
         return as_bytes(self.redis.hget(self.keys.snapshots(conversation_id), message_id))
+
+    # --- long-term memory: list, correct, forget -----------------------------------------------
+
+    @cached_property
+    def memory_store(self) -> SyncMemoryStore:
+        from threadline.workers.storage.memory import SyncMemoryStore
+
+        return SyncMemoryStore(self.redis, self.keys)
+
+    def memory(self, tenant_id: str, user_id: str, *, app_id: str | None = None, agent_id: str | None = None,
+               history: bool = False) -> list[MemoryRecord]:
+        """The user's long-term memory in one partition (the user's, or an app's or agent's): the
+        current records, and with `history` the closed versions after them."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        records = self.memory_store.read(scope)[0] if history else self.memory_store.current(scope)
+        return listed_memory(records, scope, history=history)
+
+    def memory_record(self, tenant_id: str, user_id: str, record_id: str, *, app_id: str | None = None,
+                      agent_id: str | None = None) -> MemoryRecord:
+        """One record of the partition, current or closed (`MemoryNotFound` otherwise)."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        return found_memory(self.memory_store.read(scope)[0], scope, record_id)
+
+    def set_memory(self, tenant_id: str, user_id: str, *, value: str, key: str | None = None,
+                   record_id: str | None = None, note: bool = False, origin: str = "user",
+                   app_id: str | None = None, agent_id: str | None = None) -> MemoryRecord:
+        """Set a fact (`key`), correct a current record (`record_id`: `MemoryNotFound` if none), or
+        add a note (`note=True`); the old version is closed and kept in the history. Returns the
+        current record (the one found, when the value is the same)."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        for _ in range(MEMORY_ATTEMPTS):
+            records, revision = self.memory_store.read(scope)
+            now = time.time()
+            edit = memory_edit(records, scope, value=value, key=key, record_id=record_id, note=note, origin=origin,
+                               now=now)
+            if not edit.changed or self.memory_store.apply(scope, edit, revision=revision, now=now):
+                return edited_record(edit)
+        raise RuntimeError("the memory kept changing; try again")
+
+    def forget_memory(self, tenant_id: str, user_id: str, *, key: str | None = None, record_id: str | None = None,
+                      all: bool = False, app_id: str | None = None, agent_id: str | None = None) -> int:
+        """Erase a fact (every version of `key`) or a record (its every version): the number of
+        records deleted (0: none such). `all`: everything stored about the user, in every partition
+        (the number of keys deleted)."""
+        scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        if forgets_everything(scope, key=key, record_id=record_id, everything=all):
+            return self.memory_store.forget_all(scope)
+        for _ in range(MEMORY_ATTEMPTS):
+            records, revision = self.memory_store.read(scope)
+            gone = memory_forgetting(records, scope, key=key, record_id=record_id)
+            if not gone.changed or self.memory_store.apply(scope, gone, revision=revision):
+                return len(gone.deletes)
+        raise RuntimeError("the memory kept changing; try again")
 
 
 def _request_turn_id(data: bytes) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Self, cast
 
 from threadline.pipeline.contracts import TURN_SCHEMA, TurnRequest, parse_turn_request, valid_id, valid_turn_id
@@ -19,7 +19,9 @@ from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 
 if TYPE_CHECKING:
+    from threadline.pipeline.consolidation import Consolidation
     from threadline.pipeline.events import Event
+    from threadline.pipeline.memory import MemoryRecord, Scope
     from threadline.pipeline.records import ConversationRecord
 
 
@@ -142,3 +144,103 @@ def setting_default(name: str) -> int:
     return cast(int, next(f.default for f in dataclasses.fields(Settings) if f.name == name))
 
 
+
+
+# --- long-term memory: list, correct, forget ---------------------------------------------------------
+# The pure steps of `memory`, `set_memory` and `forget_memory` (both clients; the CLI and the gateway
+# render with `memory_view`). pipeline/consolidation.py and storage/memory.py load pydantic-ai: they
+# are imported inside these functions, which only a memory call runs.
+
+#: Rounds of read, consolidate and write while concurrent writes keep moving the partition's revision.
+MEMORY_ATTEMPTS = 8
+_REFUSED = {"limit": "the memory holds its maximum of records", "too long": "the value is too long",
+            "empty": "the value is empty", "bad key": "not a fact key"}
+
+
+class MemoryNotFound(LookupError):
+    """No such record (or fact) in the partition; a record of another partition, user or tenant is
+    not found either (every read is filtered by `in_scope`)."""
+
+
+def memory_scope(tenant_id: str, user_id: str, *, app_id: str | None = None,
+                 agent_id: str | None = None) -> Scope:
+    """The partition one call reads and writes (`InvalidRequest` for an invalid id, or app and agent both)."""
+    from threadline.pipeline.memory import Scope
+
+    return Scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+
+
+def listed_memory(records: Sequence[MemoryRecord], scope: Scope, *, history: bool) -> list[MemoryRecord]:
+    """The partition's records as listed: the current ones, and with `history` the closed ones too."""
+    from threadline.pipeline.memory import in_scope
+
+    return [r for r in records if in_scope(r, scope) and (history or r.current)]
+
+
+def found_memory(records: Sequence[MemoryRecord], scope: Scope, record_id: str) -> MemoryRecord:
+    """The partition's record `record_id` (current or closed), else `MemoryNotFound`."""
+    found = next((r for r in listed_memory(records, scope, history=True) if r.id == record_id), None)
+    if found is None:
+        raise MemoryNotFound(f"memory record {record_id} not found")
+    return found
+
+
+def new_memory_id() -> str:
+    return uuid.uuid4().hex
+
+
+def memory_edit(records: Sequence[MemoryRecord], scope: Scope, *, value: str, key: str | None, record_id: str | None,
+                note: bool, origin: str, now: float) -> Consolidation:
+    """`set_memory` as a consolidation of the records read: a fact set by `key`, the current record
+    `record_id` corrected, or (`note`) a new note. The old version is closed, not deleted."""
+    from threadline.pipeline.consolidation import apply_user_edit
+
+    if origin not in ("user", "operator"):
+        raise InvalidRequest(f"origin is 'user' or 'operator', not {origin!r}")
+    if key is not None and (record_id is not None or note):
+        raise InvalidRequest("name a fact key, or a record id, or a note: one of them")
+    if key is None and record_id is None and not note:
+        raise InvalidRequest("name a fact key, a record id to correct, or note=True")
+    if not isinstance(value, str):
+        raise InvalidRequest("a memory value is text")
+    if record_id is not None and not any(r.id == record_id for r in listed_memory(records, scope, history=False)):
+        raise MemoryNotFound(f"memory record {record_id} not found")
+    return apply_user_edit(records, scope=scope, value=value, now=now, new_id=new_memory_id,
+                           origin="operator" if origin == "operator" else "user", key=key, record_id=record_id)
+
+
+def edited_record(edit: Consolidation) -> MemoryRecord:
+    """The record a `memory_edit` leaves current: the new one, or the one found unchanged (the same
+    value, a note alike); `InvalidRequest` when the value was refused (empty, too long, the limit)."""
+    applied = edit.applied[-1]
+    if not applied.records:
+        raise InvalidRequest(_REFUSED.get(applied.reason, f"not applied: {applied.reason}"))
+    return next(r for r in edit.current if r.id == applied.records[0])
+
+
+def memory_forgetting(records: Sequence[MemoryRecord], scope: Scope, *, key: str | None,
+                      record_id: str | None) -> Consolidation:
+    """`forget_memory` of a fact (every version of its key) or a record (its whole chain of versions)."""
+    from threadline.pipeline.consolidation import forget
+
+    if (key is None) == (record_id is None):
+        raise InvalidRequest("name a fact key or a record id (or all)")
+    return forget(records, scope=scope, key=key, record_id=record_id)
+
+
+def forgets_everything(scope: Scope, *, key: str | None, record_id: str | None, everything: bool) -> bool:
+    """Whether `forget_memory` forgets all the user's memory (every partition: refused with an app or
+    agent named, so no one forgets more than they named)."""
+    if everything and (key is not None or record_id is not None):
+        raise InvalidRequest("forget all, or a fact key, or a record id: one of them")
+    if everything and (scope.app_id is not None or scope.agent_id is not None):
+        raise InvalidRequest("all forgets every partition of the user: name no app or agent")
+    return everything
+
+
+def memory_view(record: MemoryRecord) -> dict[str, Any]:
+    """A record as the CLI prints it and the gateway answers it (JSON): no vector."""
+    return {"id": record.id, "kind": record.kind, "key": record.key, "value": record.value,
+            "current": record.current, "partition": record.partition, "valid_at": record.valid_at,
+            "recorded_at": record.recorded_at, "invalid_at": record.invalid_at,
+            "superseded_by": record.superseded_by, "source": dataclasses.asdict(record.source)}

@@ -41,6 +41,7 @@ from threadline.workers.clients.common import TurnIdTaken, checked_request
 from threadline.workers.gateway import pools
 from threadline.workers.gateway.admin_keys import add_key_routes
 from threadline.workers.gateway.auth import Authenticator, admin, caller, turn_caller
+from threadline.workers.gateway.memory_routes import add_memory_routes
 from threadline.workers.gateway.middleware import (
     AccessLog,
     BodyLimit,
@@ -245,6 +246,7 @@ def create_app(settings: Settings, url: str, *, console_dir: Path | None = CONSO
     add_conversation_routes(app, gw)
     add_agent_routes(app, gw)
     add_key_routes(app, gw.keyring)
+    add_memory_routes(app, gw.aclient)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> dict[str, str]:

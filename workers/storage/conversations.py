@@ -24,6 +24,7 @@ from threadline.workers.protocol.schema import (
 )
 from threadline.workers.storage import lua
 from threadline.workers.storage.base import StoreBase
+from threadline.workers.storage.memory import MemoryStore
 
 DeleteStatus = Literal["deleted", "not_found", "busy"]
 
@@ -265,11 +266,15 @@ class ConversationStore(StoreBase):
         for _ in range(DELETE_ATTEMPTS):
             rows = {text(mid): turn_of_row(row)
                     async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
-            stored = await self.redis.hget(self.keys.conversation(conversation_id), "tenant_id")
+            stored, user = await self.redis.hmget(self.keys.conversation(conversation_id), ["tenant_id", "user_id"])
             keys, arg = deletion(self.keys, self.graph, conversation_id, tenant_id=tenant_id, rows=rows,
                                  stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, await self._run("delete_conversation", keys, arg))
             if result is not None:
+                if result.status == "deleted" and stored is not None and user is not None:
+                    # what long-term memory extracted from it goes with it
+                    await MemoryStore(self.redis, self.keys).forget_conversation(text(stored), conversation_id,
+                                                                                 text(user))
                 return result
         return DeleteResult("busy", conversation_id)
 

@@ -15,6 +15,7 @@ from threadline.workers.worker.runners.cancel import run_cancel
 from threadline.workers.worker.runners.common import Malformed
 from threadline.workers.worker.runners.compaction import run_compaction
 from threadline.workers.worker.runners.finish import run_finish
+from threadline.workers.worker.runners.memory import run_memory
 from threadline.workers.worker.runners.model import run_model
 from threadline.workers.worker.runners.transform import run_transform
 from threadline.workers.worker.runtime import Runtime, RuntimeRef
@@ -26,6 +27,7 @@ RUNNERS: dict[StageKind, Runner] = {
     "model": run_model,
     "finish": run_finish,
     "compaction": run_compaction,
+    "memory": run_memory,
 }
 
 

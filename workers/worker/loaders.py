@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from threadline.pipeline.budget import BudgetParts, answering_limits, history_budget
-from threadline.pipeline.history import ThreadRead, summary_messages, turn_messages
+from threadline.pipeline.history import RecallRead, ThreadRead, summary_messages, turn_messages
 from threadline.pipeline.invoke import run_instructions, user_prompt
+from threadline.pipeline.recall import RecallIndex, index_records
 from threadline.pipeline.records import MessageRecord, ResolvedTurn
+from threadline.workers.storage.memory import memory_keys
 from threadline.workers.worker.files import check_files
+from threadline.workers.worker.long_term import long_term_of, memory_store, turn_scope
 from threadline.workers.worker.providers import build_tools
 from threadline.workers.worker.runtime import Runtime
 from threadline.workers.worker.token_counting import CountUnavailable, TokenCounter
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 Loader = Callable[[Runtime, ResolvedTurn, str], Awaitable[Any]]
 
@@ -29,11 +34,41 @@ async def load_thread(rt: Runtime, turn: ResolvedTurn, stage: str) -> ThreadRead
     counts, counted once per turn and counter and cached with the conversation. When the provider's
     count endpoint fails, the read counts with the provider's local default, and says so."""
     counter = rt.counter(turn.config.model)
+    recalling = asyncio.create_task(_recall_read(rt, turn, counter))
     try:
-        return await _read_thread(rt, turn, stage, counter)
+        read = await _read_thread(rt, turn, stage, counter)
     except CountUnavailable as e:
         read = await _read_thread(rt, turn, stage, e.fallback)
-        return dataclasses.replace(read, tokenizer_fallback=f"{counter.name}: {e.reason}")
+        read = dataclasses.replace(read, tokenizer_fallback=f"{counter.name}: {e.reason}")
+    finally:
+        recalling.add_done_callback(_retrieved)
+    return dataclasses.replace(read, recall=await recalling)
+
+
+#: Recall indexes kept per process, by (the partition's records key, its revision): a partition's
+#: records are read and indexed again only when its revision moved (one field read per turn).
+RECALL_INDEXES = 1024
+_indexes: OrderedDict[tuple[str, int], RecallIndex] = OrderedDict()
+
+
+async def _recall_read(rt: Runtime, turn: ResolvedTurn, counter: TokenCounter) -> RecallRead | None:
+    """The partition's current records, indexed, when the turn recalls long-term memory."""
+    if (spec := long_term_of(turn)) is None:
+        return None
+    scope = turn_scope(spec, turn)
+    mem = memory_store(rt.store)
+    key = (memory_keys(rt.store.keys, scope).records, await mem.revision(scope))
+    index = _indexes.get(key)
+    if index is None:
+        records, revision = await mem.current_and_revision(scope) if key[1] else ([], 0)
+        index = index_records(records, scope)
+        key = (key[0], revision)
+        _indexes[key] = index
+        while len(_indexes) > RECALL_INDEXES:
+            _indexes.popitem(last=False)
+    _indexes.move_to_end(key)
+    tokenizer = counter.tokenizer or load_tokenizer(None, turn.config.model.provider)
+    return RecallRead(index=index, tokenizer=tokenizer)
 
 
 async def _budget(rt: Runtime, turn: ResolvedTurn, counter: TokenCounter) -> BudgetParts:
@@ -62,7 +97,7 @@ async def _read_thread(rt: Runtime, turn: ResolvedTurn, stage: str, counter: Tok
         budgeting.add_done_callback(_retrieved)
 
 
-def _retrieved(task: asyncio.Task[BudgetParts]) -> None:
+def _retrieved(task: asyncio.Task[Any]) -> None:
     """Its error was raised through the walk, or no longer matters (the walk failed first)."""
     if not task.cancelled():
         task.exception()

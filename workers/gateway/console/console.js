@@ -1,7 +1,8 @@
 // Threadline's web console: pick an agent, chat with streaming text and a Stop button, follow the
 // conversation tree (regenerate a turn, branch from any message), and see for each turn what the
-// model saw: the token budget and the turns pruned or summarised. Plain JS against the gateway's
-// API; the API key stays in sessionStorage and goes only in the Authorization header (never in a URL).
+// model saw: the token budget and the turns pruned or summarised; and a user's long-term memory, to
+// correct or forget. Plain JS against the gateway's API; the API key stays in sessionStorage and goes
+// only in the Authorization header (never in a URL).
 "use strict";
 
 const KEY_STORAGE = "threadline.key";
@@ -130,6 +131,8 @@ async function connect() {
     $("query").disabled = false;
     $("send").disabled = agents.length === 0;
     await loadConversations(null);
+    for (const id of ["memory-load", "memory-add-button"]) $(id).disabled = false;
+    await loadMemory();
     say(agents.length ? "connected" : "connected: no agents yet (threadline agents put FILE)");
   } catch (e) {
     say(e.status === 401 ? "that API key is not known" : e.message, true);
@@ -353,6 +356,7 @@ async function submit(query, parentId) {
   } catch (e) {
     say(e.message, true);
   }
+  loadMemory();  // what the turn added shows once the memory stage has run (Show: look again)
 }
 
 async function stop() {
@@ -370,6 +374,103 @@ function setRunning(running) {
   $("stop").disabled = !running;
   $("conversation").disabled = running;
   for (const button of document.querySelectorAll(".regenerate, .branch")) button.disabled = running;
+}
+
+// --- long-term memory: one user's facts and notes, corrected or forgotten here -------------------
+
+function memoryPath(recordId) {
+  const base = `/v1/users/${encodeURIComponent($("memory-user-id").value.trim())}/memory`;
+  const path = recordId ? `${base}/${encodeURIComponent(recordId)}` : base;
+  // the partition: the user's own, or the console app's, or the selected agent's
+  const scope = $("memory-scope").value;
+  if (scope === "app") return `${path}?app_id=console`;
+  if (scope === "agent") return `${path}?agent_id=${encodeURIComponent($("agent").value)}`;
+  return path;
+}
+
+async function loadMemory() {
+  if (!$("memory-user-id").value.trim()) return;
+  try {
+    const { records } = await api("GET", memoryPath());
+    $("memory").replaceChildren(...records.map(renderMemory));
+    if (!records.length) $("memory").append(el("li", { class: "hint" }, "Nothing remembered."));
+  } catch (e) {
+    say(e.message, true);
+  }
+}
+
+function renderMemory(r) {
+  const what = el("div", { class: "memory-what" },
+    r.kind === "fact" ? el("span", { class: "memory-key" }, `${r.key}: `) : el("span", { class: "badge" }, "note"),
+    " ", el("span", { class: "memory-value" }, r.value));
+  const item = el("li", { class: "memory-record", "data-record-id": r.id, "data-kind": r.kind }, what,
+    renderProvenance(r),
+    el("div", { class: "memory-actions" },
+      el("button", { type: "button", class: "memory-edit", onclick: () => editMemory(item, r) }, "Correct"),
+      el("button", { type: "button", class: "memory-forget", onclick: () => forgetMemory(r) }, "Forget")));
+  return item;
+}
+
+// Who said it and when; a link to the conversation (and message) it was taken from, when it was.
+function renderProvenance(r) {
+  const s = r.source;
+  const who = s.origin === "extracted" ? `from a turn (${s.extractor || "extractor"})` : `set by the ${s.origin}`;
+  const parts = [el("span", { class: "memory-origin" }, who), ` · ${new Date(r.valid_at * 1000).toLocaleString()}`];
+  if (s.conversation_id) {
+    parts.push(" · ", el("a", {
+      href: "#", class: "memory-source", "data-conversation-id": s.conversation_id,
+      "data-message-id": s.message_id, onclick: (e) => { e.preventDefault(); openSource(s); },
+    }, s.message_id ? "the message" : "the conversation"));
+  }
+  return el("div", { class: "meta memory-provenance" }, ...parts);
+}
+
+async function openSource(source) {
+  if (state.live) return;
+  try {
+    await loadConversations(source.conversation_id);
+    await openConversation(source.conversation_id);
+    const message = source.message_id;
+    if (message && message !== tipId() && messagesById().has(message)) select(message);
+  } catch (e) {
+    say(e.message, true);
+  }
+}
+
+function editMemory(item, r) {
+  const input = el("input", { class: "memory-input", value: r.value, "aria-label": "Corrected value" });
+  const form = el("form", {
+    class: "memory-correct",
+    onsubmit: (e) => { e.preventDefault(); changeMemory("PUT", r.id, { value: input.value }, "corrected"); },
+  }, input, el("button", { type: "submit", class: "memory-save" }, "Save"),
+  el("button", { type: "button", class: "memory-cancel", onclick: () => item.replaceWith(renderMemory(r)) }, "Cancel"));
+  item.querySelector(".memory-what").replaceWith(form);
+  item.querySelector(".memory-actions").hidden = true;
+  input.focus();
+}
+
+function forgetMemory(r) {
+  return changeMemory("DELETE", r.id, undefined, "forgotten");
+}
+
+function addMemory() {
+  const key = $("memory-key").value.trim();
+  const value = $("memory-value").value;
+  return changeMemory("PUT", null, key ? { key, value } : { note: value }, "remembered").then((done) => {
+    if (done) $("memory-key").value = $("memory-value").value = "";
+  });
+}
+
+async function changeMemory(method, recordId, body, done) {
+  try {
+    await api(method, memoryPath(recordId), body);
+  } catch (e) {
+    say(e.message, true);
+    return false;
+  }
+  say(done);
+  await loadMemory();
+  return true;
 }
 
 // --- wiring ---------------------------------------------------------------------------------------
@@ -394,6 +495,15 @@ $("query").addEventListener("keydown", (e) => {
 });
 $("stop").addEventListener("click", stop);
 $("branch-cancel").addEventListener("click", () => select(null));
+$("memory-user").addEventListener("submit", (e) => {
+  e.preventDefault();
+  loadMemory();
+});
+$("memory-scope").addEventListener("change", loadMemory);
+$("memory-add").addEventListener("submit", (e) => {
+  e.preventDefault();
+  addMemory();
+});
 
 if (state.key) {
   $("key").value = state.key;

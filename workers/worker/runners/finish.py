@@ -15,11 +15,13 @@ from threadline.pipeline.persist import final_row
 from threadline.pipeline.stages import Stage
 from threadline.workers.storage.turns import REFUSALS, Finish
 from threadline.workers.telemetry import metrics, tracing
+from threadline.workers.worker.long_term import long_term_of
 from threadline.workers.worker.runners.common import (
     envelope_of,
     finished_event,
     start_stage,
 )
+from threadline.workers.worker.runners.memory import note_ended_turn
 from threadline.workers.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -57,3 +59,8 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
         for after in rt.graph.of_kind("compaction"):
             arg = Envelope(turn_id=env.turn_id, stage=after.name, conversation_id=turn.conversation_id).model_dump()
             await rt.store.enqueue_stage(after.name, arg, message_id=rt.new_id(), now_ms=rt.now_ms())
+    if outcome.status == "succeeded" and long_term_of(turn) is not None and turn.agent_id:
+        # after the turn too: it joins its user's memory partition's line (debounced: one message
+        # per partition while one is queued)
+        for after in rt.graph.of_kind("memory"):
+            await note_ended_turn(rt, after, turn)
