@@ -16,7 +16,6 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 import redis
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool, drop_prefix
+from tests.support.cli import cli_env, cli_runner
 from threadline.pipeline import events as ev
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.cli import common, serve
@@ -35,19 +35,6 @@ from threadline.workers.settings import Settings
 from threadline.workers.storage.embedded import ensure_embedded
 
 SETTINGS_SOURCE = ROOT / "workers" / "settings.py"
-
-
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def one_line(self) -> str:
-        """The single stderr line of a failure (and no traceback)."""
-        lines = self.err.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in self.err, self.err
-        return lines[0]
 
 
 @pytest.fixture
@@ -62,28 +49,13 @@ def quiet(redis_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def env(redis_url: str, quiet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in [n for n in os.environ if n.startswith("TL_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    monkeypatch.setenv("TL_PREFIX", quiet)
-    monkeypatch.setenv("TL_LOG_FORMAT", "json")
-    monkeypatch.setenv("TL_LOG_LEVEL", "WARNING")
-    monkeypatch.setenv("TL_DATA_DIR", str(tmp_path / "data"))
-    return monkeypatch
+    return cli_env(monkeypatch, redis_url=redis_url, prefix=quiet, data_dir=tmp_path / "data")
 
 
 @pytest.fixture
 def run(env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
     """`run("cancel", "x")` -> Result, through `cli.main` in this process."""
-
-    def invoke(*argv: str) -> Result:
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as stop:
-            cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return Result(int(stop.value.code or 0), out, err)
-
-    return invoke
+    return cli_runner(capsys)
 
 
 def subprocess_env(redis_url: str, prefix: str, **extra: str) -> dict[str, str]:

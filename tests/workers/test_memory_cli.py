@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,26 +19,14 @@ import pytest
 import redis
 
 from tests.conftest import drop_prefix
+from tests.support.cli import cli_env, cli_runner
 from threadline.pipeline.consolidation import consolidate
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.extraction import Proposal
 from threadline.pipeline.memory import MemoryRecord, Provenance, Scope
-from threadline.workers.cli import main as cli
 from threadline.workers.clients.async_client import AsyncClient
 from threadline.workers.clients.client import Client
 from threadline.workers.clients.common import MemoryNotFound
-
-
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def one_line(self) -> str:
-        lines = self.err.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in self.err, self.err
-        return lines[0]
 
 
 @pytest.fixture
@@ -62,21 +48,8 @@ def client(redis_url: str, own: str) -> Iterator[Client]:
 @pytest.fixture
 def run(redis_url: str, own: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> Any:
-    for name in [n for n in os.environ if n.startswith("TL_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    monkeypatch.setenv("TL_PREFIX", own)
-    monkeypatch.setenv("TL_LOG_LEVEL", "WARNING")
-    monkeypatch.setenv("TL_DATA_DIR", str(tmp_path / "data"))
-
-    def invoke(*argv: str) -> Result:
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as stop:
-            cli.main(["memory", *argv])
-        out, err = capsys.readouterr()
-        return Result(int(stop.value.code or 0), out, err)
-
-    return invoke
+    cli_env(monkeypatch, redis_url=redis_url, prefix=own, data_dir=tmp_path / "data")
+    return cli_runner(capsys, verb=("memory",))
 
 
 def extracted(client: Client, scope: Scope, key: str, value: str, *, at: float = 1000.0) -> MemoryRecord:
