@@ -1,7 +1,7 @@
 """The stage graph, declared once: every stage's name (its actor and its queue), its kind, what it
 needs loaded, and its pure function. The order of the table is the order of the turn.
 
-Five kinds of stage, each run by one generic runner in `workers/` (none of which names a stage):
+Six kinds of stage, each run by one generic runner in `workers/` (none of which names a stage):
 
 - `admit`: the first stage. It validates the producer's request, takes the turn's place in its
   conversation's line and pins what the turn runs with (its output is the `ResolvedTurn`).
