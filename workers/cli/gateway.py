@@ -15,6 +15,7 @@ from threadline.workers.cli.common import (
     Exit,
     at_least_one,
     display_url,
+    integer_at_least,
     join,
     producer,
 )
@@ -158,14 +159,7 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
                         help="event streams the key may hold open at once (default TL_KEY_MAX_STREAMS; 0: no limit)")
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
+_count = integer_at_least(0)
 
 
 def _add_keys_parsers(sub: Any) -> None:
