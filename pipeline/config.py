@@ -25,9 +25,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .busy import DEFAULT_ON_BUSY, OnBusy
 from .contracts import Id
 from .errors import InvalidRequest
 from .redact import contains_credential, is_secret_name
+from .webhooks import WebhookUrl
 
 Provider = Literal[
     "offline", "python", "openai", "anthropic", "google", "bedrock", "groq", "mistral",
@@ -128,6 +130,20 @@ COUNTING_PROVIDERS: frozenset[str] = frozenset({"anthropic", "google", "bedrock"
 #: The hosted providers whose models count with their own endpoint when a config names no tokenizer:
 #: their tokenizers ship nowhere, and a local vocabulary would only approximate them.
 COUNTED_BY_DEFAULT: frozenset[str] = frozenset({"anthropic", "google", "bedrock"})
+#: The models of provider `offline`, which Threadline owns (`pipeline/llm.py` says what each answers,
+#: `workers/worker/providers.py` builds them): `agents put` refuses any other name.
+OFFLINE_MODELS: frozenset[str] = frozenset({"echo", "chat", "summary"})
+
+#: Prompt-cache retentions (pydantic-ai's `CacheRetention`), snapped by it to the provider's tiers.
+CacheRetention = Literal["5m", "30m", "1h", "12h"]
+
+
+class CacheOptions(_Doc):
+    """`model.cache` in full: a retention (None: the provider's default), and `messages: false` to cache
+    only the tool definitions and instructions, not the conversation."""
+
+    retention: CacheRetention | None = None
+    messages: bool = True
 
 
 class ModelSpec(_Doc):
@@ -154,6 +170,9 @@ class ModelSpec(_Doc):
     fallback: Annotated[list[ModelSpec], Field(max_length=MAX_FALLBACKS)] = Field(default_factory=list)
     #: At most this many model calls of the agent in flight across all workers; None: no limit.
     max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    #: Provider prompt caching (`pipeline/caching.py`): on (the provider's default retention), off, a
+    #: retention (`5m`, `1h`, ...), or `{messages: false}`; see docs/agent-config.md for the default.
+    cache: bool | CacheRetention | CacheOptions = True
 
     @model_validator(mode="before")
     @classmethod
@@ -405,6 +424,10 @@ class AgentConfig(_Doc):
     memory: MemorySpec = Field(default_factory=MemorySpec)
     deadline_s: Annotated[float, Field(gt=0, le=86400)] = 120.0
     guards: GuardsSpec = Field(default_factory=GuardsSpec)
+    #: What a turn whose request names no `on_busy` does when its conversation is busy (pipeline/busy.py).
+    on_busy: OnBusy = DEFAULT_ON_BUSY
+    #: Where every turn's terminal event is POSTed unless its request names another (docs/webhooks.md).
+    webhook_url: WebhookUrl | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -443,7 +466,7 @@ def parse_agent_config(text: str | bytes) -> AgentConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise InvalidRequest(f"agent config is not valid YAML/JSON: {e}") from None
+        raise InvalidRequest(f"agent config is not valid YAML/JSON: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("agent config must be a mapping")
     if (found := find_credential(data)) is not None:
@@ -453,6 +476,18 @@ def parse_agent_config(text: str | bytes) -> AgentConfig:
     except ValidationError as e:
         details = "; ".join(f"{_place(err['loc'])}: {err['msg']}" for err in e.errors()[:5])
         raise InvalidRequest(f"invalid agent config: {details}") from None
+
+
+def _yaml_problem(error: Exception) -> str:
+    """pyyaml's error in one line: its problem and where (line and column from 1), without the
+    quoted excerpt of the document it spreads over several lines."""
+    problem = getattr(error, "problem", None)
+    if not problem:
+        return " ".join(str(error).split())
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(error, "context", None)
+    return f"{problem}{where}" + (f" ({context})" if context else "")
 
 
 def _place(loc: tuple[int | str, ...]) -> str:

@@ -105,6 +105,9 @@ class _Ledger:
     compared: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
     #: The ids current before the batch: the only ones a proposal can target (an extractor knows no other).
     targets: frozenset[str] = frozenset()
+    #: The fact key of every record of the partition given, closed ones included: a proposal naming a
+    #: record an earlier delivery of the same batch closed still changes that record's key.
+    keys_of: dict[str, str] = field(default_factory=dict)
 
     def load(self, records: Iterable[MemoryRecord]) -> None:
         # oldest claim first: of two current records of one key (never written, but storage may hold
@@ -190,6 +193,7 @@ def consolidate(current: Sequence[MemoryRecord], proposals: Sequence[Proposal], 
     claim_at = turn_ended_at if source.origin == "extracted" else now
     ledger = _Ledger(_Claim(source, claim_at, now, new_id, scope.partition, limits or MemoryLimits()))
     ledger.load(current_in_scope(current, scope))
+    ledger.keys_of = {r.id: r.key for r in current if r.kind == "fact" and r.key is not None and in_scope(r, scope)}
     for proposal, last in _last_per_key(ledger, proposals):
         ledger.applied.append(_apply(ledger, proposal) if last else Applied("noop", "fact", proposal.key, (),
                                                                             "overridden"))
@@ -208,8 +212,9 @@ def _last_per_key(ledger: _Ledger, proposals: Sequence[Proposal]) -> list[tuple[
 def _changed_key(ledger: _Ledger, p: Proposal) -> str | None:
     if p.kind != "fact" or p.op == "noop":
         return None
-    target = ledger.target(p.target_id)
-    return fact_key(p.key) if p.key else (target.key if target is not None else None)
+    if p.key:
+        return fact_key(p.key)
+    return ledger.keys_of.get(p.target_id) if p.target_id is not None else None
 
 
 def _apply(ledger: _Ledger, p: Proposal) -> Applied:

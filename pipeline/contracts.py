@@ -8,16 +8,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from .busy import OnBusy
 from .errors import InvalidRequest
+from .ids import ID_PATTERN as ID_PATTERN
+from .ids import MAX_ID_CHARS, MAX_TURN_ID_CHARS
+from .ids import new_conversation_id as new_conversation_id
+from .ids import valid_id as valid_id
+from .ids import valid_turn_id as valid_turn_id
+from .webhooks import WebhookUrl
 
 TURN_SCHEMA = "threadline.turn/v1"
 
-#: Every id a producer chooses. No `:` (the key separator) and no braces (hash tags), so no id can
-#: name another turn's, conversation's or agent's key: ids are isolated by construction.
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"
-Id = Annotated[str, Field(min_length=1, max_length=128, pattern=ID_PATTERN)]
-#: Shorter, so that the id of the conversation a turn starts (`c-<turn_id>`) is a valid id too.
-TurnId = Annotated[str, Field(min_length=1, max_length=120, pattern=ID_PATTERN)]
+# the ids' rule and its checks live in ids.py, light: `valid_id`, `valid_turn_id` and
+# `new_conversation_id` are re-exported from there
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ID_PATTERN)]
+TurnId = Annotated[str, Field(min_length=1, max_length=MAX_TURN_ID_CHARS, pattern=ID_PATTERN)]
 _ID: TypeAdapter[str] = TypeAdapter(Id)
 _TURN_ID: TypeAdapter[str] = TypeAdapter(TurnId)
 
@@ -29,28 +34,6 @@ MAX_FILES_CEILING = 256
 # a JSON string (escapes included), and every byte that is no bracket
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NO_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def new_conversation_id(turn_id: str) -> str:
-    """The conversation a turn without `conversation_id` starts. Deterministic, so a redelivered
-    first turn creates the same conversation and a producer can name it before it exists."""
-    return f"c-{turn_id}"
-
-
-def valid_id(value: object) -> str | None:
-    """`value` when it is a valid id, else None."""
-    try:
-        return _ID.validate_python(value)
-    except ValidationError:
-        return None
-
-
-def valid_turn_id(value: object) -> str | None:
-    """`value` when it is a valid turn id, else None."""
-    try:
-        return _TURN_ID.validate_python(value)
-    except ValidationError:
-        return None
 
 
 class _Wire(BaseModel):
@@ -91,6 +74,10 @@ class TurnRequest(_Wire):
     deadline_s: Annotated[float, Field(gt=0, le=86400)] | None = None
     #: "off": the turn neither recalls nor feeds long-term memory (`memory.long_term`).
     memory: Literal["on", "off"] = "on"
+    #: What the turn does when its conversation is busy (pipeline/busy.py); None: its agent's `on_busy`.
+    on_busy: OnBusy | None = None
+    #: POSTed the terminal event when the turn ends (docs/webhooks.md); else the agent's `webhook_url`.
+    webhook_url: WebhookUrl | None = None
 
     @property
     def is_resume(self) -> bool:
@@ -239,6 +226,15 @@ class Envelope(_Wire):
 
 
 class Usage(_Wire):
+    """A run's model usage (`pipeline/cost.py` fills it). Input tokens include the cached ones."""
+
     input_tokens: int = 0
     output_tokens: int = 0
     requests: int = 0
+    #: Input tokens the provider served from its prompt cache, and those it wrote to it.
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    #: The run's cost in USD (genai-prices); None: unknown (a model it does not price, offline models).
+    cost_usd: float | None = None
+    #: None: the provider reported the counts; else the local tokenizer that counted them.
+    counted_by: str | None = None

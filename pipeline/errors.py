@@ -24,6 +24,8 @@ ErrorCode = Literal[
     "provider_not_installed",
     "model_key_missing",
     "internal_error",
+    # A turn sent with `on_busy: reject` while a turn of its conversation runs or waits (pipeline/busy.py).
+    "conversation_busy",
     # The codes of the two non-error endings: cancellation and the deadline are outcomes.
     "cancelled",
     "timed_out",
@@ -63,6 +65,10 @@ class ConversationNotFound(ThreadlineError):
 
 class Forbidden(ThreadlineError):
     code: ErrorCode = "forbidden"
+
+
+class ConversationBusy(ThreadlineError):
+    code: ErrorCode = "conversation_busy"
 
 
 class SessionConfigurationChanged(ThreadlineError):

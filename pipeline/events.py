@@ -9,16 +9,13 @@ only the store knows (a stage start after a claim) are encoded without `attempt`
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .contracts import Usage
-
-TerminalType = Literal["succeeded", "paused", "failed", "cancelled", "timed_out"]
-#: The five endings of a turn, defined once: the client, the CLI and the Lua prelude (generated at load,
-#: `workers/storage/lua.py`) take them from here.
-TERMINAL_TYPES: frozenset[str] = frozenset(get_args(TerminalType))
+from .terminal import TERMINAL_TYPES as TERMINAL_TYPES
+from .terminal import TerminalType as TerminalType
 
 
 class _Event(BaseModel):

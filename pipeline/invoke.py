@@ -51,12 +51,13 @@ from pydantic_ai.models import Model
 from pydantic_ai.settings import ModelSettings
 
 from .contracts import Usage
+from .cost import LocalCount, run_usage
 from .errors import ErrorCode, ThreadlineError
 from .events import TerminalType
 from .guards import check_text, guarded_exchange, scrub_responses, spoken_text
 from .history import attachment_line, encode_messages
 from .limits import limit_messages, truncate_text
-from .persist import prepare_snapshot, run_answer, run_usage
+from .persist import prepare_snapshot, run_answer
 from .records import ResolvedTurn, ToolActivity
 from .redact import redact
 
@@ -160,10 +161,12 @@ async def run_turn(
     max_chars: int,
     secrets: Sequence[str] = (),
     model: Model | None = None,
+    local: LocalCount | None = None,
 ) -> InvokeOutcome:
     """Run the agent once; every way it can end becomes an `InvokeOutcome`. Texts longer than
     `max_chars` are stored truncated; `secrets` (the model's key) never reach an error message.
-    `model` replaces the agent's own for this run (the shell wraps it in a concurrency limit)."""
+    `model` replaces the agent's own for this run (the shell wraps it in a concurrency limit);
+    `local` counts the offline models' usage (`pipeline.cost`)."""
     run_id = f"{turn.turn_id}/{attempt}"
     deferred = DeferredToolResults(calls=dict(turn.deferred_answers)) if turn.deferred_answers else None
     with capture_run_messages() as captured:
@@ -187,7 +190,9 @@ async def run_turn(
         except Exception as e:  # a broken tool too: the turn ends `failed`, its history kept
             output, failure = None, e
     new = [m for m in captured if m.run_id == run_id]
-    outcome = _outcome(output, failure, new, list(stream.tools.values()), max_chars=max_chars, secrets=secrets)
+    usage = run_usage(new, history=history, local=local)
+    outcome = _outcome(output, failure, new, list(stream.tools.values()), max_chars=max_chars, secrets=secrets,
+                       usage=usage)
     return guard_output(outcome, new, turn, max_chars=max_chars)
 
 
@@ -227,6 +232,7 @@ def _outcome(
     *,
     max_chars: int,
     secrets: Sequence[str],
+    usage: Usage,
 ) -> InvokeOutcome:
     status, code, message, transient, retry_after = _classify(output, failure, secrets)
     snapshot = prepare_snapshot(new, paused=status == "paused")
@@ -245,7 +251,7 @@ def _outcome(
     return InvokeOutcome(
         status=status,
         answer=answer,
-        usage=run_usage(new),
+        usage=usage,
         code=code,
         message=message,
         transient=transient,

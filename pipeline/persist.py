@@ -47,15 +47,6 @@ def run_answer(new_messages: Sequence[ModelMessage]) -> str:
     return ""
 
 
-def run_usage(new_messages: Sequence[ModelMessage]) -> Usage:
-    responses = [m for m in new_messages if isinstance(m, ModelResponse)]
-    return Usage(
-        input_tokens=sum(r.usage.input_tokens for r in responses),
-        output_tokens=sum(r.usage.output_tokens for r in responses),
-        requests=len(responses),
-    )
-
-
 def pending_row(turn: ResolvedTurn) -> MessageRecord:
     """The message row a turn writes when it is accepted."""
     return MessageRecord(

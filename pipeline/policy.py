@@ -7,10 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from .config import AgentConfig, ModelSpec, Provider
 from .errors import InvalidRequest
+
+# only annotations here: `workers/settings.py` (every CLI command) imports this module, and the
+# config models load pydantic (`bench/cli.py`)
+if TYPE_CHECKING:
+    from .config import AgentConfig, ModelSpec, Provider
 
 #: The variables each provider reads its key from when a config names no `api_key_env`, in order of
 #: preference (Gemini: GEMINI_API_KEY when GOOGLE_API_KEY is unset; Bedrock: a Bedrock API key, or an
@@ -44,11 +49,23 @@ class ModelPolicy:
         """Every model an agent config may call: its model (and fallbacks) and its summariser."""
         for spec in agent_models(config):
             self.check(spec)
+            check_model_exists(spec)
 
     def readable_env(self, env: Mapping[str, str]) -> dict[str, str]:
         """The part of a worker's environment model builders may read: the allowed key variables
         and the region, so that no config can reach any other variable."""
         return {k: v for k, v in env.items() if k in self.key_env_allow or k in REGION_VARIABLES}
+
+
+def check_model_exists(spec: ModelSpec) -> None:
+    """Refuse (`InvalidRequest`) a model of a provider Threadline owns (`offline`) that does not
+    exist, now rather than as a `failed` turn later; other providers' model names are theirs to know."""
+    from .config import OFFLINE_MODELS
+
+    for model in spec.chain():
+        if model.provider == "offline" and model.name not in OFFLINE_MODELS:
+            raise InvalidRequest(f"model offline:{model.name} does not exist; the offline models are "
+                                 f"{', '.join(sorted(OFFLINE_MODELS))}")
 
 
 def check_model_policy(spec: ModelSpec, *, key_env_allow: Collection[str], base_url_allow: Collection[str]) -> None:

@@ -59,6 +59,8 @@ class MessageRecord(_Record):
     #: Why a guard answered instead of the model, or replaced its answer: {"kind", "rule"} (and
     #: rows stored before guards ran on RE2 may also carry "timed_out").
     guard: dict[str, str | bool] | None = None
+    #: The turn that interrupted this one (`on_busy: interrupt`): `answer` is what it had said by then.
+    interrupted_by: str | None = None
 
 
 class ResolvedTurn(_Record):
@@ -87,3 +89,5 @@ class ResolvedTurn(_Record):
     agent_id: str = ""
     #: The request's `memory` flag: "off" turns neither recall nor feed long-term memory.
     memory: Literal["on", "off"] = "on"
+    #: Where the terminal event is POSTed: the request's `webhook_url`, else its agent's.
+    webhook_url: str | None = None

@@ -140,6 +140,7 @@ def resolve_turn(
         user_id=request.user_id,
         agent_id=request.agent_id,
         memory=request.memory,
+        webhook_url=request.webhook_url or config.webhook_url,
     )
     return resolved, ResolveDecision(config_ref, conversation is None, missing, guard)
 

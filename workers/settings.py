@@ -103,6 +103,11 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_METRICS_PORT", "`threadline worker` serves /metrics, /healthz and /livez on this port (default 9464; 0: off)"),
     ("TL_TRACING", "1: OpenTelemetry spans per turn and stage (also on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     ("TL_FILE_CHECK", "public (default), all or off: the hosts workers may ask whether a file in history is there"),
+    ("TL_WEBHOOK_HOSTS", "public (default) or all: the hosts completion webhooks may be POSTed to"),
+    ("TL_WEBHOOK_MAX_ATTEMPTS", "attempts of a completion webhook before it is failed (default 8)"),
+    ("TL_WEBHOOK_BACKOFF_S", "wait after a webhook's first failed attempt, doubled after each (default 5)"),
+    ("TL_WEBHOOK_BACKOFF_MAX_S", "the longest wait between two attempts of a webhook (default 600)"),
+    ("TL_WEBHOOK_TIMEOUT_S", "how long one webhook POST may take (default 10)"),
     ("TL_GATEWAY_POOL", "Redis connections of a gateway process's requests (default 32; streams share one more)"),
     ("TL_GATEWAY_POOL_TIMEOUT_S", "how long a gateway request waits for a free connection before a 503 (default 5)"),
     ("TL_KEY_RPS", "requests per second an API key may make, unless its record says (default 20; 0: no limit)"),
@@ -163,6 +168,14 @@ class Settings:
     #: Which file URLs of earlier turns the workers ask (HEAD) whether they are still there: `public`
     #: only hosts with global addresses (no SSRF into the workers' network), `all`, or `off`.
     file_check: Literal["public", "all", "off"] = "public"
+    #: Completion webhooks (docs/webhooks.md): `public` POSTs only to hosts whose every address is a
+    #: global one (the file checks' rule: no SSRF), `all` to any (tests, trusted deployments); attempts
+    #: before a delivery fails, the backoff between them (doubled each time, capped), one POST's timeout.
+    webhook_hosts: Literal["public", "all"] = "public"
+    webhook_max_attempts: int = 8
+    webhook_backoff_s: float = 5.0
+    webhook_backoff_max_s: float = 600.0
+    webhook_timeout_s: float = 10.0
     #: Times the watchdog runs a stalled turn again before it ends the turn `failed`.
     max_recoveries: int = 3
     max_invoke_attempts: int = 3
@@ -205,6 +218,9 @@ class Settings:
         file_check = env.get("TL_FILE_CHECK") or "public"
         if file_check not in ("public", "all", "off"):
             raise ValueError(f"TL_FILE_CHECK must be public, all or off, not {file_check!r}")
+        webhook_hosts = env.get("TL_WEBHOOK_HOSTS") or "public"
+        if webhook_hosts not in ("public", "all"):
+            raise ValueError(f"TL_WEBHOOK_HOSTS must be public or all, not {webhook_hosts!r}")
         log_format = env.get("TL_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
         if log_format not in ("json", "console"):
             raise ValueError(f"TL_LOG_FORMAT must be json or console, not {log_format!r}")
@@ -240,6 +256,11 @@ class Settings:
             shutdown_grace_s=_float(env, "TL_SHUTDOWN_GRACE_S", 5.0),
             retention_days=max(0.0, _float(env, "TL_RETENTION_DAYS", 0.0, positive=False)),
             file_check=file_check,  # type: ignore[arg-type]
+            webhook_hosts=webhook_hosts,  # type: ignore[arg-type]
+            webhook_max_attempts=_int(env, "TL_WEBHOOK_MAX_ATTEMPTS", 8, minimum=1),
+            webhook_backoff_s=_float(env, "TL_WEBHOOK_BACKOFF_S", 5.0),
+            webhook_backoff_max_s=_float(env, "TL_WEBHOOK_BACKOFF_MAX_S", 600.0),
+            webhook_timeout_s=_float(env, "TL_WEBHOOK_TIMEOUT_S", 10.0),
             max_recoveries=_int(env, "TL_MAX_RECOVERIES", 3),
             max_invoke_attempts=_int(env, "TL_MAX_INVOKE_ATTEMPTS", 3, minimum=1),
             max_retries=_int(env, "TL_MAX_RETRIES", 5),

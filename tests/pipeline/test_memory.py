@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from threadline.pipeline.config import AgentConfig, config_from_json, config_to_json, parse_agent_config
@@ -365,6 +365,11 @@ def test_the_same_proposals_applied_again_change_nothing(history: list[Turn | Ed
     # With the record limit binding, a batch that closes a record and then adds one may find room only
     # the second time: a redelivered stage is kept out by the store instead (memory_apply.lua refuses
     # turns no longer pending), so this property is about consolidation itself, with room to spare.
+    # A batch that both keeps a note and rewrites that same note by its id (or sets a fact by key and
+    # rewrites it by id) says two things at once: applied again, it finds the state its own second
+    # proposal made. Such a batch is not re-applied either (memory_apply.lua, as above), so a batch
+    # with a targeted proposal is here alone.
+    assume(len(batch) <= 1 or not any(p.target_id for p in batch))
     store, limits = Store(), MemoryLimits(max_records=1000, max_value_chars=20)
     for step in history:
         step.run(store, limits)

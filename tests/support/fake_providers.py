@@ -16,6 +16,14 @@ every text of the request, plus 3 tokens per request and per message. A test cou
 model was sent with the same function. `count_status` answers only the count endpoint with a status,
 `count_delay_s` after a pause.
 
+`caching=True` makes the Anthropic and OpenAI doubles cache prompts the way their providers document
+(`PromptCache`), and report the reads and writes in their usage, with the request's real size (by
+`text_tokens`) instead of the constant `INPUT_TOKENS`: Anthropic reads the longest prefix cached at a
+breakpoint (`cache_control`, or the top-level automatic one on the last block), looking back up to 20
+blocks from each breakpoint, writes at every breakpoint of at least 1,024 tokens, and keeps an entry
+5 minutes (or `ttl: 1h`) from its last use; OpenAI caches any prompt of 1,024 tokens or more
+automatically and reads the longest common prefix with an earlier request in 128-token steps.
+
     with FakeProvider("anthropic") as server:
         ...  # point a model at server.base_url; then look at server.exchanges
 """
@@ -23,6 +31,7 @@ model was sent with the same function. `count_status` answers only the count end
 from __future__ import annotations
 
 import binascii
+import hashlib
 import json
 import re
 import struct
@@ -82,6 +91,7 @@ class FakeProvider(LocalServer):
     def __init__(
         self, provider: ProviderName, *, always_status: int | None = None, retry_after: str = "0",
         model: str = "fake-model", count_status: int | None = None, count_delay_s: float = 0.0,
+        caching: bool = False,
     ) -> None:
         self.provider = provider
         self.always_status = always_status
@@ -90,6 +100,9 @@ class FakeProvider(LocalServer):
         self.retry_after = retry_after
         self.model = model
         self.text = answer_text(provider)
+        self.cache = PromptCache() if caching else None
+        #: The usage of each answered request, in arrival order (what the cache made of it).
+        self.usages: list[dict[str, int]] = []
         self._exchanges: list[Exchange] = []
         self._lock = threading.Lock()
         super().__init__(_handler_for(self), name=f"fake-{provider}")
@@ -108,6 +121,10 @@ class FakeProvider(LocalServer):
     def record(self, exchange: Exchange) -> None:
         with self._lock:
             self._exchanges.append(exchange)
+
+    def note_usage(self, usage: dict[str, int]) -> None:
+        with self._lock:
+            self.usages.append(usage)
 
 
 # --- which request is which -----------------------------------------------------------------------
@@ -189,6 +206,110 @@ def count_answer(provider: ProviderName, body: dict[str, Any]) -> dict[str, Any]
     return {"inputTokens": n}
 
 
+# --- prompt caching ---------------------------------------------------------------------------------
+
+#: A request's size and what the cache made of it: {"input": all its tokens, "read", "write"}; None:
+#: the double does not cache (its usage is the constant `INPUT_TOKENS`).
+Usage = dict[str, int] | None
+#: Anthropic: the shortest prefix cached, how far back from a breakpoint a hit is looked for, the TTLs.
+ANTHROPIC_MIN_TOKENS, ANTHROPIC_LOOKBACK_BLOCKS = 1024, 20
+ANTHROPIC_TTL_S = {"5m": 300.0, "1h": 3600.0}
+#: OpenAI: cached from this many prompt tokens, in steps of this many; entries live 5 to 10 minutes.
+OPENAI_MIN_TOKENS, OPENAI_STEP, OPENAI_TTL_S = 1024, 128, 300.0
+
+
+def _token_list(value: Any, key: str = "") -> list[str]:
+    """The fake tokenizer's tokens of every text in `value`, in order (as `_tokens` counts them)."""
+    if isinstance(value, str):
+        return [] if key in _STRUCTURAL else _TOKEN.findall(value)
+    if isinstance(value, dict):  # a breakpoint is no text: a block reads the same with or without one
+        return [t for k, v in value.items() if k != "cache_control" for t in _token_list(v, k)]
+    if isinstance(value, list):
+        return [t for v in value for t in _token_list(v, key)]
+    return []
+
+
+def _anthropic_blocks(body: dict[str, Any]) -> list[tuple[list[str], str | None]]:
+    """A Messages request as Anthropic caches it, tools, then system, then messages: each block's
+    tokens and its breakpoint's TTL (None: no `cache_control`); the top-level `cache_control`
+    (automatic caching) is a breakpoint on the last block."""
+    def ttl(block: Any) -> str | None:
+        control = block.get("cache_control") if isinstance(block, dict) else None
+        return str(control.get("ttl") or "5m") if isinstance(control, dict) else None
+
+    blocks: list[tuple[list[str], str | None]] = [(_token_list(t), ttl(t)) for t in body.get("tools") or []]
+    system = body.get("system") or []
+    for block in [{"type": "text", "text": system}] if isinstance(system, str) else system:
+        blocks.append((_token_list(block), ttl(block)))
+    for message in body.get("messages") or []:
+        content = message.get("content")
+        for i, block in enumerate([{"type": "text", "text": content}] if isinstance(content, str) else content):
+            blocks.append((["<msg>"] * 3 * (i == 0) + _token_list(block), ttl(block)))
+    if blocks and (top := ttl(body)) is not None:
+        blocks[-1] = (blocks[-1][0], top)
+    return blocks
+
+
+class PromptCache:
+    """A provider's prompt cache: entries by the hash of a prefix, with their expiry."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self._entries: dict[bytes, float] = {}
+        self._openai: list[tuple[str, list[str], float]] = []
+        self._lock = threading.Lock()
+
+    def anthropic(self, body: dict[str, Any]) -> dict[str, int]:
+        blocks = _anthropic_blocks(body)
+        ends, hashes, digest, total = [], [], hashlib.sha256(), 0
+        for tokens, _ in blocks:
+            digest.update("\x00".join(tokens).encode() + b"\x01")
+            total += len(tokens)
+            ends.append(total)
+            hashes.append(digest.copy().digest())
+        now, read, write_end = self.clock(), 0, 0
+        with self._lock:
+            breakpoints = [i for i, (_, ttl) in enumerate(blocks) if ttl is not None]
+            for b in breakpoints:
+                for i in range(b, max(-1, b - ANTHROPIC_LOOKBACK_BLOCKS - 1), -1):
+                    if self._entries.get(hashes[i], 0.0) > now:
+                        read = max(read, ends[i])
+                        self._entries[hashes[i]] = now + ANTHROPIC_TTL_S.get(blocks[b][1] or "5m", 300.0)
+                        break
+            for b in breakpoints:
+                if ends[b] >= ANTHROPIC_MIN_TOKENS and ends[b] > read:
+                    self._entries[hashes[b]] = now + ANTHROPIC_TTL_S.get(blocks[b][1] or "5m", 300.0)
+                    write_end = max(write_end, ends[b])
+        # the fake's whole count of the request (`request_tokens`), of which the cache took its share
+        size = max(request_tokens(body), total)
+        return {"input": size, "read": read, "write": max(0, write_end - read)}
+
+    def openai(self, body: dict[str, Any]) -> dict[str, int]:
+        tokens = _token_list(body.get("tools") or []) + _token_list(body.get("messages") or [])
+        key = str(body.get("prompt_cache_key") or "")
+        now, best = self.clock(), 0
+        with self._lock:
+            self._openai = [e for e in self._openai if e[2] > now]
+            # the key routes a request to the machine that holds its prefix: others are not looked at
+            for _, earlier, _ in (e for e in self._openai if e[0] == key):
+                common = next((i for i, (a, b) in enumerate(zip(tokens, earlier, strict=False)) if a != b),
+                              min(len(tokens), len(earlier)))
+                best = max(best, common)
+            if len(tokens) >= OPENAI_MIN_TOKENS:
+                self._openai.append((key, tokens, now + OPENAI_TTL_S))
+        steps = (best - OPENAI_MIN_TOKENS) // OPENAI_STEP
+        read = OPENAI_MIN_TOKENS + steps * OPENAI_STEP if best >= OPENAI_MIN_TOKENS else 0
+        return {"input": max(request_tokens(body), len(tokens)), "read": read, "write": 0}
+
+
+def _usage(server: FakeProvider, operation: Operation, body: dict[str, Any]) -> Usage:
+    if server.cache is None or operation not in ("anthropic", "chat"):
+        return None
+    usage = server.cache.anthropic(body) if operation == "anthropic" else server.cache.openai(body)
+    server.note_usage(usage)
+    return usage
+
+
 # --- the HTTP handler -----------------------------------------------------------------------------
 
 
@@ -220,9 +341,9 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
                 time.sleep(server.count_delay_s)
                 self._json(HTTPStatus.OK, count_answer(server.provider, body))
             elif found.stream:
-                self._stream(found.operation)
+                self._stream(found.operation, _usage(server, found.operation, body))
             else:
-                self._json(HTTPStatus.OK, _complete(found.operation, server))
+                self._json(HTTPStatus.OK, _complete(found.operation, server, _usage(server, found.operation, body)))
 
         do_GET = do_PUT = do_DELETE = do_POST
 
@@ -244,7 +365,7 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def _stream(self, operation: Operation) -> None:
+        def _stream(self, operation: Operation, usage: Usage) -> None:
             # No Content-Length: the stream ends when the connection closes.
             binary = operation == "converse"
             self.send_response(HTTPStatus.OK)
@@ -252,7 +373,7 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
-            for frame in _stream_frames(operation, server):
+            for frame in _stream_frames(operation, server, usage):
                 self.wfile.write(frame)
             self.wfile.flush()
             self.close_connection = True
@@ -269,23 +390,23 @@ def _status(server: FakeProvider, found: Route | None) -> int:
     return server.always_status or (HTTPStatus.OK if found else HTTPStatus.NOT_FOUND)
 
 
-def _complete(operation: Operation, server: FakeProvider) -> dict[str, Any]:
+def _complete(operation: Operation, server: FakeProvider, usage: Usage) -> dict[str, Any]:
     if operation == "chat":
-        return _chat_completion(server)
+        return _chat_completion(server, usage)
     if operation == "anthropic":
-        return _anthropic_message(server)
+        return _anthropic_message(server, usage)
     if operation == "gemini":
         return _gemini_chunk(server, server.text, finish=True)
     return _converse(server)
 
 
-def _stream_frames(operation: Operation, server: FakeProvider) -> Iterator[bytes]:
+def _stream_frames(operation: Operation, server: FakeProvider, usage: Usage) -> Iterator[bytes]:
     if operation == "chat":
-        for chunk in _chat_chunks(server):
+        for chunk in _chat_chunks(server, usage):
             yield f"data: {json.dumps(chunk)}\n\n".encode()
         yield b"data: [DONE]\n\n"
     elif operation == "anthropic":
-        for event in _anthropic_events(server):
+        for event in _anthropic_events(server, usage):
             yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
     elif operation == "gemini":
         pieces = _words(server.text)
@@ -331,13 +452,20 @@ _CHAT_USAGE = {"prompt_tokens": INPUT_TOKENS, "completion_tokens": OUTPUT_TOKENS
                "total_tokens": INPUT_TOKENS + OUTPUT_TOKENS}
 
 
-def _chat_completion(server: FakeProvider) -> dict[str, Any]:
+def _chat_usage(usage: Usage) -> dict[str, Any]:
+    if usage is None:
+        return _CHAT_USAGE
+    return {"prompt_tokens": usage["input"], "completion_tokens": OUTPUT_TOKENS,
+            "total_tokens": usage["input"] + OUTPUT_TOKENS, "prompt_tokens_details": {"cached_tokens": usage["read"]}}
+
+
+def _chat_completion(server: FakeProvider, usage: Usage = None) -> dict[str, Any]:
     choice = {"index": 0, "message": {"role": "assistant", "content": server.text}, "finish_reason": "stop"}
     return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": server.model,
-            "choices": [choice], "usage": _CHAT_USAGE}
+            "choices": [choice], "usage": _chat_usage(usage)}
 
 
-def _chat_chunks(server: FakeProvider) -> Iterator[dict[str, Any]]:
+def _chat_chunks(server: FakeProvider, usage: Usage = None) -> Iterator[dict[str, Any]]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": server.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -349,22 +477,30 @@ def _chat_chunks(server: FakeProvider) -> Iterator[dict[str, Any]]:
     if server.provider == "groq":
         last["x_groq"] = {"id": "req-fake", "usage": _CHAT_USAGE}  # where Groq reports a stream's usage
     else:
-        last["usage"] = _CHAT_USAGE
+        last["usage"] = _chat_usage(usage)
     yield last
 
 
 # --- Anthropic Messages ---------------------------------------------------------------------------
 
 
-def _anthropic_message(server: FakeProvider) -> dict[str, Any]:
+def _anthropic_usage(usage: Usage, output_tokens: int) -> dict[str, int]:
+    if usage is None:
+        return {"input_tokens": INPUT_TOKENS, "output_tokens": output_tokens}
+    # Anthropic's `input_tokens` are those after the last breakpoint: neither read nor written
+    return {"input_tokens": usage["input"] - usage["read"] - usage["write"], "output_tokens": output_tokens,
+            "cache_read_input_tokens": usage["read"], "cache_creation_input_tokens": usage["write"]}
+
+
+def _anthropic_message(server: FakeProvider, usage: Usage = None) -> dict[str, Any]:
     return {"id": "msg_fake", "type": "message", "role": "assistant", "model": server.model,
             "content": [{"type": "text", "text": server.text}], "stop_reason": "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS}}
+            "usage": _anthropic_usage(usage, OUTPUT_TOKENS)}
 
 
-def _anthropic_events(server: FakeProvider) -> Iterator[dict[str, Any]]:
+def _anthropic_events(server: FakeProvider, usage: Usage = None) -> Iterator[dict[str, Any]]:
     start = {**_anthropic_message(server), "content": [], "stop_reason": None,
-             "usage": {"input_tokens": INPUT_TOKENS, "output_tokens": 1}}
+             "usage": _anthropic_usage(usage, 1)}
     yield {"type": "message_start", "message": start}
     yield {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     for word in _words(server.text):

@@ -99,7 +99,7 @@ class Turn:
             assert await self.advance(name, artifact=f"<{name}>") == "ok"
 
     async def finish(self, status: events.TerminalType = "succeeded", *, snapshot: str | None = "SNAP",
-                     fence: str | None = None, usage: Usage | None = None) -> str:
+                     fence: str | None = None, usage: Usage | None = None, webhook_url: str = "") -> str:
         """The finish stage's write, as `run_finish` makes it."""
         usage = usage or Usage(input_tokens=11, output_tokens=7, requests=1)
         row = final_row(self.resolved, status=status, now=time.time(), answer="the answer", usage=usage,
@@ -111,7 +111,7 @@ class Turn:
         return await self.store.finish(
             Finish(turn_id=self.id, event=terminal, conversation_id=self.cid, message=row, snapshot=snapshot,
                    fence=self.fence if fence is None else fence, tenant_id=self.resolved.tenant_id,
-                   before=[finished]),
+                   before=[finished], webhook_url=webhook_url),
             now=time.time())
 
     async def end(self, status: events.TerminalType = "failed", *, code: str = "agent_not_found") -> str:

@@ -39,8 +39,11 @@ SETTINGS_SOURCE = ROOT / "workers" / "settings.py"
 
 @pytest.fixture
 def quiet(redis_url: str) -> Iterator[str]:
-    """A key prefix no worker serves: turns submitted under it wait in the queue."""
+    """A key prefix no worker serves: turns submitted under it wait in the queue. Its agent `a` is
+    registered (`submit` refuses an unknown agent before enqueueing)."""
     name = f"tlq{uuid.uuid4().hex[:8]}"
+    with Client(redis_url, prefix=name) as registrar:
+        registrar.put_agent("id: a\nmodel: offline:echo\n")
     yield name
     r = redis.Redis.from_url(redis_url)
     drop_prefix(r, name)
@@ -123,7 +126,8 @@ def test_unknown_turns_and_conversations_exit_3_and_cancel_enqueues_nothing(run:
         assert "not found" in result.one_line()
     assert run("cancel", "not a turn id").code == 2
     r = redis.Redis.from_url(redis_url)
-    assert list(r.scan_iter(f"{quiet}:*")) == []  # no cancel message, no cancel flag: nothing at all
+    # no cancel message, no cancel flag: nothing but the agent the fixture registered
+    assert [k for k in r.scan_iter(f"{quiet}:*") if not k.startswith(f"{quiet}:agent".encode())] == []
     r.close()
 
 
@@ -177,6 +181,8 @@ def test_producer_commands_never_start_a_server_and_join_a_running_one(run: Any,
 
     server = ensure_embedded(data)  # what a running `threadline worker` started for this data dir
     try:
+        with Client(server.url, prefix=os.environ["TL_PREFIX"]) as registrar:
+            registrar.put_agent("id: a\nmodel: offline:echo\n")
         submitted = run("submit", "--agent", "a", "--query", "hi")
         assert submitted.code == 0, submitted
         turn_id = submitted.out.strip()

@@ -69,6 +69,7 @@ def front(redis_url: str) -> Iterator[Front]:
     settings = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url,
                                    gateway_pool_timeout_s=60.0)
     client = Client(redis_url, prefix=prefix)
+    client.put_agent(AgentConfig.model_validate({"id": "nobody", "model": "offline:echo"}))  # refused early otherwise
     try:
         with running_gateway(settings, redis_url) as base:
             yield Front(base, client, KeyRing(client.redis, client.keys), prefix)

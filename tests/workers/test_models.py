@@ -27,6 +27,7 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from tests.conftest import WorkerPool, turn
 from tests.support.local_http import LocalServer
 from threadline.pipeline import events as ev
+from threadline.pipeline.caching import PromptCacheModel
 from threadline.pipeline.config import AgentConfig, ModelSpec
 from threadline.pipeline.errors import InvalidRequest, ThreadlineError
 from threadline.pipeline.invoke import model_error_code
@@ -101,6 +102,13 @@ def server_429() -> Iterator[Refusing]:
         yield server
 
 
+def provider_model(model: Any) -> Any:
+    """The provider's own model inside Threadline's wrappers: the strict-system one outermost, then
+    the prompt cache (on by default)."""
+    assert isinstance(model, StrictSystemModel) and isinstance(model.wrapped, PromptCacheModel)
+    return model.wrapped.wrapped
+
+
 async def call(model: Any) -> BaseException:
     """Run one request through `model`, which must fail; the error. Requests go to a local test server
     only (other test modules forbid model requests process-wide)."""
@@ -118,7 +126,7 @@ async def test_each_provider_sends_one_request_with_its_key_to_the_base_url(prov
     model_class, path, key = HOSTED[provider]
     spec = ModelSpec(provider=provider, name="m", base_url=server_429.base_url(provider))  # type: ignore[arg-type]
     model = build_model(spec, env=KEYS)
-    assert isinstance(model, StrictSystemModel) and isinstance(model.wrapped, model_class)
+    assert isinstance(provider_model(model), model_class)
     error = await call(model)
     # exactly one HTTP request: the SDK's own retries are off (Threadline's invoke retry is the only one)
     assert [r.path for r in server_429.requests] == [path]
@@ -180,9 +188,10 @@ async def test_an_openai_compatible_server_gets_the_key_its_config_names(server_
 def test_the_openai_shorthand_uses_openai_api_key() -> None:
     config = AgentConfig.model_validate({"id": "a", "model": "openai:gpt-4o-mini"})
     model = build_model(config.model, env={"OPENAI_API_KEY": KEYS["OPENAI_API_KEY"]})
-    assert isinstance(model, StrictSystemModel) and isinstance(model.wrapped, OpenAIChatModel)
-    assert model.wrapped.client.api_key == KEYS["OPENAI_API_KEY"]
-    assert model.wrapped.client.max_retries == 0
+    openai = provider_model(model)
+    assert isinstance(openai, OpenAIChatModel)
+    assert openai.client.api_key == KEYS["OPENAI_API_KEY"]
+    assert openai.client.max_retries == 0
 
 
 @pytest.mark.parametrize(("provider", "variables"), [
@@ -205,8 +214,9 @@ def test_a_missing_key_names_its_variables(provider: str, variables: str) -> Non
 def test_gemini_takes_gemini_api_key_only_when_google_api_key_is_unset() -> None:
     spec = ModelSpec(provider="google", name="gemini-2.5-flash")
     both = build_model(spec, env={"GOOGLE_API_KEY": "google-key-0009", "GEMINI_API_KEY": "gemini-key-0010"})
-    assert isinstance(both, StrictSystemModel) and isinstance(both.wrapped, GoogleModel)
-    assert both.wrapped.client._api_client.api_key == "google-key-0009"
+    google = provider_model(both)
+    assert isinstance(google, GoogleModel)
+    assert google.client._api_client.api_key == "google-key-0009"
     assert model_secrets(spec, {"GOOGLE_API_KEY": "google-key-0009", "GEMINI_API_KEY": "gemini-key-0010"}) == [
         "google-key-0009", "gemini-key-0010"]
 
@@ -214,8 +224,9 @@ def test_gemini_takes_gemini_api_key_only_when_google_api_key_is_unset() -> None
 def test_bedrock_takes_a_bearer_token_and_its_region_from_the_environment() -> None:
     spec = ModelSpec(provider="bedrock", name="m")
     model = build_model(spec, env={"AWS_BEARER_TOKEN_BEDROCK": "bedrock-token-0011", "AWS_REGION": "eu-west-3"})
-    assert isinstance(model, StrictSystemModel) and isinstance(model.wrapped, BedrockConverseModel)
-    client = model.wrapped.client
+    bedrock = provider_model(model)
+    assert isinstance(bedrock, BedrockConverseModel)
+    client = bedrock.client
     assert client.meta.region_name == "eu-west-3"
     assert client.meta.config.signature_version == "bearer"
     assert client.meta.config.retries["total_max_attempts"] == 1

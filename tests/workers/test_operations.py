@@ -186,7 +186,9 @@ def test_usage_reads_the_tenant_counters(env: OwnPool, run: Any) -> None:
     assert code == 0
     assert json.loads(out) == {"tenant_id": tenant, "turns": 2, "requests": sum(u.requests for u in usages),
                                "input_tokens": sum(u.input_tokens for u in usages),
-                               "output_tokens": sum(u.output_tokens for u in usages), "other": {}}
+                               "output_tokens": sum(u.output_tokens for u in usages), "other": {},
+                               "cache_read_tokens": 0, "cache_write_tokens": 0, "cost_usd": 0.0,
+                               "unpriced_turns": 2}
     assert sum(u.input_tokens for u in usages) > 0
     code, out, _ = run("usage", tenant)
     assert code == 0 and out.startswith(f"tenant {tenant}: 2 turns")

@@ -670,7 +670,8 @@ async def test_finish_writes_the_turn_and_cleans_up_after_it(store: Store) -> No
     conversation = await hash_of(store, k.conversation(t.cid))
     assert (conversation["tip"], conversation["pending"], conversation["revision"]) == (t.id, "[]", "1")
     assert await hash_of(store, k.usage("t1")) == {"input_tokens": "11", "output_tokens": "7", "requests": "1",
-                                                    "turns": "1"}
+                                                    "cache_read_tokens": "0", "cache_write_tokens": "0",
+                                                    "unpriced_turns": "1", "turns": "1"}
     seen = await stream(store, t.id)
     assert_gapless(seen)
     assert isinstance(seen[-1], events.Succeeded) and len(terminals(seen)) == 1
@@ -1086,6 +1087,7 @@ async def test_client_enqueue_takes_a_place_in_the_line_only_when_asked(store: S
 async def test_an_owners_submission_into_another_tenants_conversation_writes_nothing(store: Store) -> None:
     a = await finished_turn(store)
     client = Client(store.settings.redis_url or "", prefix=store.settings.prefix)
+    client.put_agent(AGENT)  # the agent exists: what refuses the turn is the conversation's owner
     try:
         before = await dump(store.redis, store.settings.prefix)
         with pytest.raises(ConversationNotFound):

@@ -6,34 +6,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from threadline.pipeline.errors import AgentNotFound, ThreadlineError
-from threadline.workers.clients.client import Client
+from threadline.workers.cli.common import EXIT_BAD_INPUT, EXIT_NOT_FOUND, fail, producer, read_input
 from threadline.workers.settings import Settings
 
-if TYPE_CHECKING:
-    pass
-
-from threadline.workers.cli.common import producer, read_input
+if TYPE_CHECKING:  # imported when a command runs: the CLI's start-up stays fast (bench/cli.py)
+    from threadline.workers.clients.client import Client
 
 
 def agents_command(run: Callable[[argparse.Namespace, Client], int]) -> Callable[[argparse.Namespace, Settings], int]:
     """An `agents` subcommand: an unknown agent, version or draft is one line on stderr and exit 3,
-    bad input one line and exit 2."""
+    bad input one line and exit 2 (the one format of every CLI error: `threadline: ...`)."""
 
     def command(args: argparse.Namespace, settings: Settings) -> int:
         client = producer(settings)
         try:
             return run(args, client)
         except ThreadlineError as e:
-            print(f"error [{e.code}]: {e.message}", file=sys.stderr)
-            return 3 if isinstance(e, AgentNotFound) else 2
+            return fail(EXIT_NOT_FOUND if isinstance(e, AgentNotFound) else EXIT_BAD_INPUT, f"[{e.code}] {e.message}")
         except OSError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return fail(EXIT_BAD_INPUT, str(e))
         finally:
             client.close()
 
@@ -48,13 +43,13 @@ def agents_put(args: argparse.Namespace, client: Client) -> int:
 
 
 def agents_list(args: argparse.Namespace, client: Client) -> int:
-    from threadline.workers.storage import agents as agent_registry
+    from threadline.workers.storage.agent_index import render_agents
 
     summaries = client.agents()
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in summaries]))
     else:
-        print("\n".join(agent_registry.render_agents(summaries)) or "no agents")
+        print("\n".join(render_agents(summaries)) or "no agents")
     return 0
 
 

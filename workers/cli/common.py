@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from threadline.pipeline.redact import redact
-from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
-from threadline.workers.storage.embedded import EmbeddedServer, ensure_embedded, join_embedded
 
+# Light at import (no redis, no pydantic): every verb module imports this one, and `threadline --help`
+# must not pay for what only a command that talks to a server needs (`bench/cli.py`).
 if TYPE_CHECKING:
     from threadline.pipeline.events import Event
-
+    from threadline.workers.clients.client import Client
+    from threadline.workers.storage.embedded import EmbeddedServer
 
 
 #: Exit codes (also in `threadline --help` and docs/clients.md). 1: a followed turn ended failed,
@@ -36,7 +37,7 @@ EXIT_INTERRUPTED = 130
 
 EXIT_BROKEN_PIPE = 141
 
-#: `conversations delete` exits 5 while a turn of the conversation runs or waits.
+#: `conversations delete` (and `submit --on-busy reject`) exit 5 while a turn of the conversation runs or waits.
 EXIT_BUSY = 5
 
 EXIT_CODES = (
@@ -45,7 +46,8 @@ EXIT_CODES = (
     (EXIT_BAD_INPUT, "bad input: usage, a file, a turn request, a setting"),
     (EXIT_NOT_FOUND, "not found: turn, conversation, agent, version"),
     (EXIT_UNREACHABLE, "cannot reach the server (or none runs for TL_DATA_DIR)"),
-    (5, "busy: `conversations delete` of a conversation with a running turn"),
+    (EXIT_BUSY, "busy: `conversations delete` of a conversation with a running turn; `submit --on-busy reject` "
+                "while a turn of the conversation runs or waits"),
     (EXIT_TIMEOUT, "--timeout ran out (the turn keeps running)"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C; a followed turn keeps running)"),
     (EXIT_BROKEN_PIPE, "the reader of the output went away (`| head`)"),
@@ -67,19 +69,19 @@ def display_url(url: str) -> str:
 
 
 def join(settings: Settings) -> str:
-    """The server of a command that only talks to one: REDIS_URL, else the embedded server a running
-    `threadline worker` or `demo` started for this data dir. Never starts one."""
-    if settings.redis_url:
-        return settings.redis_url
-    server = join_embedded(settings.data_dir)
-    if server is None:
-        raise Exit(EXIT_UNREACHABLE, f"no server: REDIS_URL is not set and no `threadline worker` (or `demo`) runs "
-                                     f"for {settings.data_dir}; start one there with `threadline worker`, or set "
-                                     "REDIS_URL")
-    return server.url
+    """The server of a command that only talks to one, found as `Client()` finds it
+    (`workers/clients/server.py`): REDIS_URL, else the running embedded server. Never starts one."""
+    from threadline.workers.clients.server import NoServer, server_url
+
+    try:
+        return server_url(settings)
+    except NoServer as e:
+        raise Exit(EXIT_UNREACHABLE, str(e)) from None
 
 
 def producer(settings: Settings) -> Client:
+    from threadline.workers.clients.client import Client
+
     return Client(join(settings), prefix=settings.prefix, policy=settings.policy)
 
 
@@ -88,6 +90,8 @@ def connect(settings: Settings) -> tuple[str, EmbeddedServer | None]:
     or started here)."""
     if settings.redis_url:
         return settings.redis_url, None
+    from threadline.workers.storage.embedded import ensure_embedded
+
     server = ensure_embedded(settings.data_dir)
     return server.url, server
 
@@ -114,24 +118,42 @@ def follow(client: Client, turn_id: str, *, as_json: bool, live: bool, timeout_s
     """Print the turn's events; exit 0 when it succeeded or paused (or has not ended), 1 otherwise.
     Ctrl-C and a `--timeout` running out leave the turn running, and say how to cancel it."""
     status = "unknown"
+    out = Output()
     try:
         from threadline.pipeline.events import TERMINAL_TYPES
 
         for event in client.events(turn_id, follow=live, timeout_s=timeout_s):
             line = render_event(event, as_json=as_json)
             if line is not None:
-                sys.stdout.write(line + ("\n" if as_json else ""))
-                sys.stdout.flush()
+                out.write(line + ("\n" if as_json else ""))
             if event.type in TERMINAL_TYPES:
                 status = event.type
     except KeyboardInterrupt:
-        if sys.stdout.isatty():
-            print()
+        out.end_line(always=sys.stdout.isatty())  # a terminal echoed `^C` where the cursor stood
         raise still_running(turn_id) from None
     except TimeoutError:
+        out.end_line()
         raise Exit(EXIT_TIMEOUT, f"turn {turn_id} did not finish within {timeout_s:g} s; it keeps running (cancel "
                                  f"it with `threadline cancel {turn_id}`)") from None
     return 0 if status in ("succeeded", "paused", "unknown") else EXIT_TURN_FAILED
+
+
+class Output:
+    """stdout as a followed turn writes it: streamed text runs on without newlines, so a message that
+    interrupts it (a timeout, Ctrl-C, on stderr) first ends the line the text left open."""
+
+    def __init__(self) -> None:
+        self.open_line = False
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.open_line = not text.endswith("\n")
+
+    def end_line(self, *, always: bool = False) -> None:
+        if self.open_line or always:
+            self.write("\n")
 
 
 def still_running(turn_id: str) -> Exit:

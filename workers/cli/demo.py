@@ -3,6 +3,7 @@ to the terminal as the model speaks. Everything it starts, it stops."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
@@ -38,13 +39,31 @@ def run_demo(settings: Settings, *, delay_ms: int) -> int:
         put = client.put_agent_result(config)
         version = put.ref if put.created else f"{put.ref} (unchanged)"
         print(f"Threadline demo: {settings.processes} worker processes on {url}; agent {config.id} {version}\n")
-        return _conversation(client, config.id)
+        code = _conversation(client, config.id)
     finally:
         client.close()
         supervisor.stop()
         if server is not None:
             server.stop()
-        print(f"\nworkers stopped (their logs: {log_path})")
+        print(f"\nworkers stopped (their logs: {log_path}; the demo's: {settings.data_dir / 'demo.log'})")
+    if code == 0:
+        print("\n" + "\n".join(next_steps(config.id)))
+    return code
+
+
+def next_steps(agent_id: str) -> list[str]:
+    """What to try after the demo, each way in once: the console, HTTP, Python."""
+    turn = {"app_id": "demo", "user_id": "ada", "agent_id": agent_id, "query": "Hello again"}
+    python = ("from threadline.workers.clients.client import Client; "
+              f"print(Client().start({({'tenant_id': 'demo', **turn})!r}).result().answer)")
+    return [
+        "Next steps (in a terminal of their own: `threadline worker`, and for 1 and 2 `threadline gateway`):",
+        "  1. the console: open http://127.0.0.1:8080/ (an API key: `threadline keys create demo`)",
+        "  2. curl: curl -sS http://127.0.0.1:8080/v1/turns "
+        "-H \"Authorization: Bearer $(threadline keys create demo)\" "
+        f"-H 'content-type: application/json' --data '{json.dumps(turn)}'",
+        f"  3. Python: python -c \"{python}\"",
+    ]
 
 
 def _conversation(client: Client, agent_id: str) -> int:
@@ -74,7 +93,8 @@ def _conversation(client: Client, agent_id: str) -> int:
             print(render_event(terminal, as_json=False) if terminal else "\n[no terminal event]")
             return 1
         usage = terminal.usage
-        print(f"\n    ({took:.2f} s, {usage.input_tokens} tokens in, {usage.output_tokens} out)\n")
+        counted = f", counted locally with {usage.counted_by}" if usage.counted_by else ""
+        print(f"\n    ({took:.2f} s, {usage.input_tokens} tokens in, {usage.output_tokens} out{counted})\n")
     assert conversation_id is not None
     print(f"The conversation thread ({conversation_id}), as stored:")
     for message in client.thread(conversation_id):

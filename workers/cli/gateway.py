@@ -7,8 +7,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from threadline.workers.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_NOT_FOUND,
@@ -38,6 +36,8 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
         raise Exit(EXIT_BAD_INPUT, f"--console {console}: not a directory")
     configure_logging(settings)
     url = join(settings)
+    import redis
+
     redis.Redis.from_url(url).ping()  # unreachable: one line and exit 4, before the port is taken
     print(f"threadline: gateway on http://{args.host}:{args.port} for {display_url(url)}", file=sys.stderr)
     uvicorn.run(create_app(settings, url, console_dir=console), host=args.host, port=args.port, log_level="warning")
@@ -67,7 +67,7 @@ def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
     try:
         expires_at = None if args.expires is None else parse_expiry(args.expires, time.time())
         key, record = ring.create(args.tenant, admin=args.admin, name=args.name, user_id=args.user,
-                                  expires_at=expires_at, limits=_limits(args))
+                                  expires_at=expires_at, limits=_limits(args), webhook_url=args.webhook_url)
         print(key)
         print(f"threadline: key {record.id} for tenant {record.tenant_id}{_until(record.expires_at)}", file=sys.stderr)
     finally:
@@ -174,6 +174,8 @@ def _add_keys_parsers(sub: Any) -> None:
     create.add_argument("--admin", action="store_true", help="the key may also manage agents and API keys")
     create.add_argument("--user", default=None, metavar="USER",
                         help="the key acts only as this user: turns of other users are refused, theirs unseen")
+    create.add_argument("--webhook-url", default=None, metavar="URL",
+                        help="POST the terminal event of the key's turns that name no webhook here (webhooks.md)")
     _add_limit_options(create)
     create.set_defaults(func=cmd_keys_create)
     listing = keys.add_parser("list", help="every key's id, name, tenant, role, user, times (never the key)")

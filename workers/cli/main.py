@@ -1,5 +1,5 @@
 """`threadline`: demo, worker, submit, events, cancel, agents (put, list, show, versions, publish, rollback, diff),
-thread, conversations delete, gateway, keys create.
+thread [--tree], conversations (list, delete), gateway, keys create, and the operations and memory verbs.
 
 Every failure is one line on stderr and an exit code from the table below (docs/clients.md's too); the
 commands that only talk to a server (all but `worker` and `demo`) never start one and import no
@@ -13,9 +13,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
-
-import redis
+from typing import Any, NoReturn
 
 from threadline.pipeline.errors import AgentNotFound, ConversationNotFound, ThreadlineError
 from threadline.pipeline.redact import redact
@@ -23,6 +21,7 @@ from threadline.workers.cli.agents import add_agents_parser
 from threadline.workers.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
+    EXIT_BUSY,
     EXIT_CODES,
     EXIT_INTERRUPTED,
     EXIT_NOT_FOUND,
@@ -46,13 +45,11 @@ from threadline.workers.cli.turns import (
     cmd_thread,
     cmd_turn_show,
 )
+from threadline.workers.cli.webhooks import add_webhooks_parser
 from threadline.workers.settings import ENVIRONMENT, Settings
 
-if TYPE_CHECKING:
-    pass
-
-#: Exit codes (also in `threadline --help` and docs/clients.md). 1: a followed turn ended failed,
-#: cancelled or timed out (or an unexpected error); 5: `conversations delete` found the conversation busy.
+# Every module above is light (no redis, no pydantic): the parser is built from them alone, and each
+# command imports what it needs when it runs, so `--version` and `--help` import neither (`bench/cli.py`).
 
 
 class Parser(argparse.ArgumentParser):
@@ -108,6 +105,13 @@ def parser() -> argparse.ArgumentParser:
                           ("conversation", "conversation_id (default: a new conversation)"), ("query", "query"),
                           ("turn-id", "turn_id, the idempotency key (default: a new one)")):
         submit.add_argument(f"--{flag}", help=f"the request's {meaning}; overrides the file's")
+    submit.add_argument("--parent", dest="parent_message_id", metavar="MESSAGE_ID",
+                        help="answer after this message of the conversation instead of its tip: a branch "
+                             "(`threadline thread --tree` shows the message ids)")
+    submit.add_argument("--on-busy", dest="on_busy", choices=("enqueue", "reject", "interrupt", "rollback"),
+                        help="when a turn of the conversation runs or waits: wait in line, refuse this one "
+                             f"(exit {EXIT_BUSY}), or cancel the running one and answer this instead (rollback: "
+                             "and drop its message); default: the agent's on_busy")
     submit.add_argument("--follow", action="store_true", help="print the turn's events until it ends")
     submit.add_argument("--json", action="store_true", help="print JSON (with --follow: one event per line)")
     submit.add_argument("--timeout", type=seconds, default=None,
@@ -131,11 +135,13 @@ def parser() -> argparse.ArgumentParser:
 
     thread = sub.add_parser("thread", help="print a conversation's thread")
     thread.add_argument("conversation_id", help="the conversation id")
+    thread.add_argument("--tree", action="store_true", help="every branch, not only the path to the tip")
     thread.set_defaults(func=cmd_thread)
     add_conversations_parser(sub)
     add_operations_parser(sub)
     add_gateway_parsers(sub)
     add_memory_parser(sub)
+    add_webhooks_parser(sub)
 
     turn = sub.add_parser("turn", help="inspect a turn").add_subparsers(dest="turn", required=True)
     show = turn.add_parser("show", help="what a turn decided: budget, turns kept and dropped, tokenizer")
@@ -147,6 +153,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """The `threadline` program (a process of its own: `run` is what tests call in-process)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if next((a for a in args if not a.startswith("-")), None) not in SERVING:
+        skip_redis_metrics()
     raise SystemExit(run(argv))
 
 
@@ -162,15 +172,24 @@ def run(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        return fail(EXIT_UNREACHABLE, f"cannot reach the server: {redact(str(e))}")
     except ThreadlineError as e:
+        if e.code == "conversation_busy":
+            return fail(EXIT_BUSY, f"[{e.code}] {e.message}")
         return fail(EXIT_NOT_FOUND if isinstance(e, AgentNotFound | ConversationNotFound) else EXIT_BAD_INPUT,
                     f"[{e.code}] {e.message}")
     except Exception as e:
+        if unreachable(e):
+            return fail(EXIT_UNREACHABLE, f"cannot reach the server: {redact(str(e))}")
         if os.environ.get("TL_LOG_LEVEL", "").upper() == "DEBUG":
             traceback.print_exc()
         return fail(EXIT_TURN_FAILED, f"unexpected error: {type(e).__name__}: {redact(str(e))}")
+
+
+def unreachable(error: Exception) -> bool:
+    """A redis-py connection error or timeout, told without importing redis: a command that never
+    imported it cannot have raised one."""
+    redis = sys.modules.get("redis")
+    return redis is not None and isinstance(error, redis.ConnectionError | redis.TimeoutError)
 
 
 def _run(argv: Sequence[str] | None) -> int:
@@ -180,6 +199,19 @@ def _run(argv: Sequence[str] | None) -> int:
     except ValueError as e:
         raise Exit(EXIT_BAD_INPUT, str(e)) from None
     return int(args.func(args, settings))
+
+
+#: The verbs that serve (start workers or the gateway): they import everything as usual.
+SERVING = frozenset({"worker", "demo", "gateway"})
+
+
+def skip_redis_metrics() -> None:
+    """redis-py 8 imports the OpenTelemetry metrics SDK when it is installed (~140 ms of a command's
+    start), for metrics only an application that sets them up records. A command that only talks to a
+    server records none: it lets redis-py find the SDK missing, redis-py's own fallback, so the
+    command's process never loads it."""
+    if "redis" not in sys.modules:
+        sys.modules.setdefault("opentelemetry.sdk.metrics", None)  # type: ignore[arg-type]
 
 
 def _discard_stdout() -> None:

@@ -11,18 +11,19 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from threadline.workers.cli.common import EXIT_BAD_INPUT, EXIT_NOT_FOUND, Exit, producer
-from threadline.workers.clients.client import Client
-from threadline.workers.clients.common import MemoryNotFound, memory_view
 from threadline.workers.settings import Settings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported when a command runs: the CLI's start-up stays fast (bench/cli.py)
     from threadline.pipeline.memory import MemoryRecord
+    from threadline.workers.clients.client import Client
 
 
 def memory_command(run: Callable[[argparse.Namespace, Client], int]) -> Callable[[argparse.Namespace, Settings], int]:
     """A `memory` subcommand: an unknown record is one line and exit 3 (bad input: exit 2, `main.run`)."""
 
     def command(args: argparse.Namespace, settings: Settings) -> int:
+        from threadline.workers.clients.common import MemoryNotFound
+
         client = producer(settings)
         try:
             return run(args, client)
@@ -64,6 +65,8 @@ def record_details(record: MemoryRecord) -> list[str]:
 
 @memory_command
 def memory_list(args: argparse.Namespace, client: Client) -> int:
+    from threadline.workers.clients.common import memory_view
+
     records = client.memory(args.tenant, args.user, history=args.history, **_scope(args))
     if args.json:
         print(json.dumps([memory_view(r) for r in records]))
@@ -74,6 +77,8 @@ def memory_list(args: argparse.Namespace, client: Client) -> int:
 
 @memory_command
 def memory_show(args: argparse.Namespace, client: Client) -> int:
+    from threadline.workers.clients.common import memory_view
+
     record = client.memory_record(args.tenant, args.user, args.record_id, **_scope(args))
     print(json.dumps(memory_view(record)) if args.json else "\n".join(record_details(record)))
     return 0
@@ -81,6 +86,8 @@ def memory_show(args: argparse.Namespace, client: Client) -> int:
 
 @memory_command
 def memory_set(args: argparse.Namespace, client: Client) -> int:
+    from threadline.workers.clients.common import memory_view
+
     value = args.note if args.note is not None else args.value
     if value is None or (args.note is not None and args.value is not None):
         raise Exit(EXIT_BAD_INPUT, "give the value: --key K VALUE, --id ID VALUE, or --note TEXT")

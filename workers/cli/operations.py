@@ -121,9 +121,18 @@ def render_dead_letter(found: DeadLetterBody) -> list[str]:
 
 def render_usage(usage: TenantUsage) -> list[str]:
     lines = [f"tenant {usage.tenant_id}: {usage.turns} turns, {usage.requests} model requests, "
-             f"{usage.input_tokens} input tokens, {usage.output_tokens} output tokens"]
+             f"{usage.input_tokens} input tokens ({usage.cache_read_tokens} read from cache, "
+             f"{usage.cache_write_tokens} written to it), {usage.output_tokens} output tokens",
+             f"  cost: {render_cost(usage.cost_usd, usage.unpriced_turns)}"]
     lines += [f"  {name}: {count}" for name, count in sorted(usage.other.items())]
     return lines
+
+
+def render_cost(cost_usd: float, unpriced_turns: int) -> str:
+    """The summed cost, and how many turns it leaves out (their price is unknown, never 0)."""
+    if not unpriced_turns:
+        return f"${cost_usd:.6f}"
+    return f"${cost_usd:.6f} + unknown ({unpriced_turns} turns of models without a known price)"
 
 
 def cmd_status(args: argparse.Namespace, ops: Operations, settings: Settings) -> int:

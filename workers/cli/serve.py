@@ -54,5 +54,9 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from threadline.workers.cli.demo import run_demo
     from threadline.workers.telemetry.logs import configure_logging
 
-    configure_logging(settings)
-    return run_demo(settings, delay_ms=args.delay_ms)
+    # the demo's own log lines (the embedded server's start, reconnects) go to a file beside the
+    # workers' log: its stdout is the conversation, and its terminal shows nothing else
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    with open(settings.data_dir / "demo.log", "a") as log:
+        configure_logging(settings, stream=log)
+        return run_demo(settings, delay_ms=args.delay_ms)

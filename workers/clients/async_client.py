@@ -12,15 +12,21 @@ from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
 
-from threadline.pipeline.contracts import TurnRequest, new_conversation_id
+from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
-from threadline.pipeline.events import TERMINAL_TYPES
+from threadline.pipeline.ids import new_conversation_id
+from threadline.pipeline.terminal import TERMINAL_TYPES
 from threadline.workers.clients.common import (
     ADMIT_ACTOR,
     ADMIT_QUEUE,
+    BUSY_ATTEMPTS,
     MEMORY_ATTEMPTS,
     BaseHandle,
     TurnIdTaken,
+    agent_probe,
+    busy_changed,
+    busy_reads,
+    busy_victims,
     checked_request,
     edited_record,
     forgets_everything,
@@ -29,6 +35,7 @@ from threadline.workers.clients.common import (
     memory_edit,
     memory_forgetting,
     memory_scope,
+    missing_agent,
     owner_of,
     read_block_ms,
     resume_body,
@@ -37,7 +44,9 @@ from threadline.workers.clients.common import (
     submit_call,
     submitted,
     turn_body,
+    with_on_busy,
 )
+from threadline.workers.clients.server import found_server, server_url
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
 from threadline.workers.protocol.schema import text
@@ -45,6 +54,7 @@ from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 
 if TYPE_CHECKING:
+    from threadline.pipeline.contracts import TurnRequest
     from threadline.pipeline.events import Event, Terminal
     from threadline.pipeline.memory import MemoryRecord
     from threadline.pipeline.records import ConversationRecord, MessageRecord
@@ -89,11 +99,14 @@ class AsyncTurnHandle(BaseHandle):
 
 
 class AsyncClient:
-    def __init__(self, url: str, *, prefix: str = "tl", max_query_chars: int | None = None,
+    def __init__(self, url: str | None = None, *, prefix: str | None = None, max_query_chars: int | None = None,
                  max_context_chars: int | None = None) -> None:
+        """`url` None: found as `Client()` finds it (`workers/clients/server.py`)."""
+        if url is None:
+            url, prefix = found_server(prefix)
         self.url = url
         self.redis = aioredis.Redis.from_url(url)
-        self.keys = Keys(prefix)
+        self.keys = Keys("tl" if prefix is None else prefix)
         self.max_query_chars = max_query_chars or setting_default("max_query_chars")
         self.max_context_chars = max_context_chars or setting_default("max_context_chars")
         self.max_inputs_chars = setting_default("max_inputs_chars")
@@ -103,9 +116,7 @@ class AsyncClient:
 
     @classmethod
     def from_settings(cls, settings: Settings, url: str | None = None) -> AsyncClient:
-        target = url or settings.redis_url
-        if target is None:
-            raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
+        target = url or server_url(settings)
         client = cls(target, prefix=settings.prefix, max_query_chars=settings.max_query_chars,
                      max_context_chars=settings.max_context_chars)
         client.max_inputs_chars, client.max_files = settings.max_inputs_chars, settings.max_files
@@ -122,33 +133,52 @@ class AsyncClient:
 
     # --- turns ---------------------------------------------------------------------------------
 
-    async def submit(self, request: Mapping[str, Any]) -> AsyncTurnHandle:
+    async def submit(self, request: Mapping[str, Any], *, on_busy: OnBusy | None = None) -> AsyncTurnHandle:
         """Enqueue a request as given (the workers check it), as `Client.submit`."""
-        body = {"schema": "threadline.turn/v1", **request}
+        body = {"schema": "threadline.turn/v1", **request, **({"on_busy": on_busy} if on_busy else {})}
         body.setdefault("turn_id", uuid.uuid4().hex)
         turn_id = str(body["turn_id"])
         cid = str(body.get("conversation_id") or new_conversation_id(turn_id))
-        await self._enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=cid, turn_id=turn_id, owner=None)
+        await self._enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=cid, turn_id=turn_id, owner=None,
+                            on_busy=named_on_busy(body.get("on_busy")))
         return AsyncTurnHandle(turn_id, self)
 
-    async def start(self, request: Mapping[str, Any] | TurnRequest, *, owner: str | None = None) -> AsyncTurnHandle:
-        """Check, then enqueue, as `Client.start`."""
-        checked = checked_request(request, max_query_chars=self.max_query_chars,
+    async def start(self, request: Mapping[str, Any] | TurnRequest, *, owner: str | None = None,
+                    on_busy: OnBusy | None = None) -> AsyncTurnHandle:
+        """Check (the request, and that its agent exists), then enqueue, as `Client.start`."""
+        checked = checked_request(with_on_busy(request, on_busy), max_query_chars=self.max_query_chars,
                                   max_context_chars=self.max_context_chars, max_inputs_chars=self.max_inputs_chars,
                                   max_files=self.max_files)
+        await self.check_agent(checked)
         cid = checked.conversation_id or new_conversation_id(checked.turn_id)
         created, existing = await self._enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (turn_body(checked),), conversation_id=cid,
-                                                turn_id=checked.turn_id, owner=owner)
+                                                turn_id=checked.turn_id, owner=owner, on_busy=checked.on_busy or "")
         if not created and existing != owner:
             raise TurnIdTaken(f"turn_id {checked.turn_id} is taken")
         return AsyncTurnHandle(checked.turn_id, self, request=checked, created=created)
 
     async def _enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, conversation_id: str | None,
-                       turn_id: str | None, owner: str | None) -> tuple[bool, str]:
-        _, keys, argv = submit_call(self.keys, queue, actor, args, message_id=uuid.uuid4().hex,
-                                    conversation_id=conversation_id, turn_id=turn_id, owner=owner,
-                                    now_ms=int(time.time() * 1000))
-        return submitted(await self._submit(keys=keys, args=argv))
+                       turn_id: str | None, owner: str | None, on_busy: str = "") -> tuple[bool, str]:
+        """submit.lua with the request's `on_busy` policy ("" = none named), as `Client.start`."""
+        for _ in range(BUSY_ATTEMPTS):
+            victims: list[str] = []
+            if on_busy and interrupts(on_busy) and conversation_id and turn_id:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    busy_reads(pipe, self.keys, conversation_id, turn_id)
+                    victims = busy_victims(turn_id, await pipe.execute())
+            _, keys, argv = submit_call(self.keys, queue, actor, args, message_id=uuid.uuid4().hex,
+                                        conversation_id=conversation_id, turn_id=turn_id, owner=owner,
+                                        now_ms=int(time.time() * 1000), on_busy=on_busy, victims=victims)
+            reply = await self._submit(keys=keys, args=argv)
+            if not busy_changed(reply):
+                break
+        return submitted(reply, conversation_id or "")
+
+    async def check_agent(self, request: TurnRequest) -> None:
+        """As `Client.check_agent`: `AgentNotFound` unless the request's agent (or its draft) exists."""
+        key, field = agent_probe(self.keys, request)
+        if not await (self.redis.hexists(key, field) if field else self.redis.exists(key)):
+            raise missing_agent(request)
 
     def handle(self, turn_id: str) -> AsyncTurnHandle:
         return AsyncTurnHandle(turn_id, self)

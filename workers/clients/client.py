@@ -17,22 +17,23 @@ from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
-from threadline.pipeline.contracts import (
-    TURN_SCHEMA,
-    TurnRequest,
-    new_conversation_id,
-    valid_id,
-)
+from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
-from threadline.pipeline.events import TERMINAL_TYPES
+from threadline.pipeline.ids import new_conversation_id, valid_id
 from threadline.pipeline.policy import ModelPolicy
 from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.pipeline.terminal import TERMINAL_TYPES
 from threadline.workers.clients.common import (
     ADMIT_ACTOR,
     ADMIT_QUEUE,
+    BUSY_ATTEMPTS,
     MEMORY_ATTEMPTS,
     BaseHandle,
     TurnIdTaken,
+    agent_probe,
+    busy_changed,
+    busy_reads,
+    busy_victims,
     checked_request,
     edited_record,
     forgets_everything,
@@ -41,6 +42,7 @@ from threadline.workers.clients.common import (
     memory_edit,
     memory_forgetting,
     memory_scope,
+    missing_agent,
     owner_of,
     read_block_ms,
     resume_body,
@@ -49,7 +51,9 @@ from threadline.workers.clients.common import (
     submit_call,
     submitted,
     turn_body,
+    with_on_busy,
 )
+from threadline.workers.clients.server import found_server, server_url
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
 from threadline.workers.protocol.schema import text
@@ -63,11 +67,13 @@ if TYPE_CHECKING:
     from pydantic_ai.messages import ModelMessage
 
     from threadline.pipeline.config import AgentConfig
+    from threadline.pipeline.contracts import TurnRequest
     from threadline.pipeline.events import Event, Terminal
     from threadline.pipeline.memory import MemoryRecord
     from threadline.pipeline.records import ConversationRecord, MessageRecord
     from threadline.workers.protocol.schema import TurnState
-    from threadline.workers.storage.agents import AgentRegistry, AgentSummary, AgentVersions, PutResult
+    from threadline.workers.storage.agent_index import AgentSummary
+    from threadline.workers.storage.agents import AgentRegistry, AgentVersions, PutResult
     from threadline.workers.storage.conversations import DeleteResult
     from threadline.workers.storage.memory import SyncMemoryStore
 
@@ -109,8 +115,13 @@ class TurnHandle(BaseHandle):
 
 
 class Client:
-    def __init__(self, url: str, *, prefix: str = "tl", policy: ModelPolicy | None = None,
+    def __init__(self, url: str | None = None, *, prefix: str | None = None, policy: ModelPolicy | None = None,
                  max_query_chars: int | None = None, max_context_chars: int | None = None) -> None:
+        """`url` None: the server the CLI would talk to (`REDIS_URL`, else the embedded server a running
+        `threadline worker` started; `NoServer` when there is none), and `TL_PREFIX` for `prefix`.
+        Otherwise `prefix` defaults to "tl"."""
+        if url is None:
+            url, prefix = found_server(prefix)
         self.url = url
         #: What `put_agent` refuses (TL_KEY_ENV_ALLOW, TL_BASE_URL_ALLOW); default: this process's env.
         self.policy = policy if policy is not None else model_policy()
@@ -120,8 +131,8 @@ class Client:
         self.max_inputs_chars = setting_default("max_inputs_chars")
         self.max_files = setting_default("max_files")
         self.redis = redis.Redis.from_url(url)
-        self.keys = Keys(prefix)
-        self.namespace = f"{prefix}:q"
+        self.keys = Keys("tl" if prefix is None else prefix)
+        self.namespace = f"{self.keys.prefix}:q"
         self._submit = self.redis.register_script(lua.source("submit"))
         self._delete = self.redis.register_script(lua.source("delete_conversation"))
 
@@ -133,9 +144,7 @@ class Client:
 
     @classmethod
     def from_settings(cls, settings: Settings, url: str | None = None) -> Client:
-        target = url or settings.redis_url
-        if target is None:
-            raise RuntimeError("no Redis URL: set REDIS_URL or start `threadline worker` first")
+        target = url or server_url(settings)
         client = cls(target, prefix=settings.prefix, policy=settings.policy, max_query_chars=settings.max_query_chars,
                      max_context_chars=settings.max_context_chars)
         client.max_inputs_chars, client.max_files = settings.max_inputs_chars, settings.max_files
@@ -185,7 +194,11 @@ class Client:
         return self.registry.rollback(agent_id, parse_version(version), author=author or default_author())
 
     def agents(self) -> list[AgentSummary]:
-        return self.registry.agents()
+        """Every registered agent with its active and latest version and drafts (the registry's
+        index: no config is read, nor its models imported)."""
+        from threadline.workers.storage.agent_index import agent_summaries
+
+        return agent_summaries(self.redis, self.keys)
 
     def agent_versions(self, agent_id: str) -> AgentVersions:
         return self.registry.versions(agent_id)
@@ -198,34 +211,68 @@ class Client:
 
     # --- turns ---------------------------------------------------------------------------------
 
-    def submit(self, request: Mapping[str, Any]) -> TurnHandle:
+    def submit(self, request: Mapping[str, Any], *, on_busy: OnBusy | None = None) -> TurnHandle:
         """Enqueue a turn request as given (the workers check it: an invalid one ends `failed`);
-        returns its handle, which is its turn id (generated when the request has none)."""
-        body = {"schema": TURN_SCHEMA, **request}
+        returns its handle, which is its turn id (generated when the request has none). `on_busy`
+        (else the request's) is applied at once: `ConversationBusy` for `reject` (docs/protocol.md)."""
+        from threadline.pipeline.contracts import TURN_SCHEMA
+
+        body = {"schema": TURN_SCHEMA, **request, **({"on_busy": on_busy} if on_busy else {})}
         body.setdefault("turn_id", uuid.uuid4().hex)
         turn_id = str(body["turn_id"])
         # a first turn takes its place in the line of the conversation it will start, so follow-ups
         # that name that conversation before it exists wait behind it
         conversation_id = body.get("conversation_id") or new_conversation_id(turn_id)
-        self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=str(conversation_id), turn_id=turn_id)
+        self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=str(conversation_id), turn_id=turn_id,
+                     on_busy=named_on_busy(body.get("on_busy")))
         return TurnHandle(turn_id, self)
 
-    def start(self, request: Mapping[str, Any] | TurnRequest, *, owner: str | None = None) -> TurnHandle:
-        """Check the request with the workers' model (`InvalidRequest` now rather than a `failed` event
-        later), then enqueue it. With `owner` (a tenant), the turn is recorded as that tenant's, and a
-        turn id that exists already is not enqueued again: the handle says `created=False`, or
-        `TurnIdTaken` when the turn is not `owner`'s."""
-        checked = checked_request(request, max_query_chars=self.max_query_chars,
+    def start(self, request: Mapping[str, Any] | TurnRequest, *, owner: str | None = None,
+              on_busy: OnBusy | None = None) -> TurnHandle:
+        """Check the request with the workers' model and that its agent (or the draft it names) exists
+        (`InvalidRequest`, `AgentNotFound` now rather than a `failed` event later), then enqueue it.
+        With `owner` (a tenant), the turn is recorded as that tenant's, and a turn id that exists
+        already is not enqueued again: the handle says `created=False`, or `TurnIdTaken` when the turn
+        is not `owner`'s. `on_busy` (else the request's; neither: the agent's, applied by the workers)
+        says what the turn does while its conversation is busy: `ConversationBusy` for `reject`."""
+        checked = checked_request(with_on_busy(request, on_busy), max_query_chars=self.max_query_chars,
                                   max_context_chars=self.max_context_chars, max_inputs_chars=self.max_inputs_chars,
                                   max_files=self.max_files)
+        self.check_agent(checked)
         cid = checked.conversation_id or new_conversation_id(checked.turn_id)
-        _, keys, argv = submit_call(self.keys, ADMIT_QUEUE, ADMIT_ACTOR, (turn_body(checked),),
-                                    message_id=uuid.uuid4().hex, conversation_id=cid, turn_id=checked.turn_id,
-                                    owner=owner, now_ms=int(time.time() * 1000))
-        created, existing = submitted(self._submit(keys=keys, args=argv))
+        _, reply = self._submit_turn(ADMIT_QUEUE, ADMIT_ACTOR, (turn_body(checked),), message_id=uuid.uuid4().hex,
+                                     conversation_id=cid, turn_id=checked.turn_id, owner=owner,
+                                     on_busy=checked.on_busy or "")
+        created, existing = submitted(reply, cid)
         if not created and existing != owner:
             raise TurnIdTaken(f"turn_id {checked.turn_id} is taken")
         return TurnHandle(checked.turn_id, self, request=checked, created=created)
+
+    def _submit_turn(self, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str,
+                     conversation_id: str | None, turn_id: str | None, owner: str | None,
+                     on_busy: str) -> tuple[str, Any]:
+        """submit.lua (the message id and its reply), applying `on_busy` ("" = none named: the workers
+        apply the agent's at admission); an interrupting turn first reads the turns in its way."""
+        for _ in range(BUSY_ATTEMPTS):
+            victims: list[str] = []
+            if on_busy and interrupts(on_busy) and conversation_id and turn_id:
+                pipe = self.redis.pipeline(transaction=False)
+                busy_reads(pipe, self.keys, conversation_id, turn_id)
+                victims = busy_victims(turn_id, pipe.execute())
+            mid, keys, argv = submit_call(self.keys, queue, actor, args, message_id=message_id,
+                                          conversation_id=conversation_id, turn_id=turn_id, owner=owner,
+                                          now_ms=int(time.time() * 1000), on_busy=on_busy, victims=victims)
+            reply = self._submit(keys=keys, args=argv)
+            if not busy_changed(reply):
+                break
+        return mid, reply
+
+    def check_agent(self, request: TurnRequest) -> None:
+        """`AgentNotFound` unless the request's agent has a published version (or the draft it names
+        exists): one EXISTS or HEXISTS. `submit` enqueues without it, as raw producers do."""
+        key, field = agent_probe(self.keys, request)
+        if not (self.redis.hexists(key, field) if field else self.redis.exists(key)):
+            raise missing_agent(request)
 
     def handle(self, turn_id: str) -> TurnHandle:
         """The handle of a turn submitted earlier (by any producer)."""
@@ -245,14 +292,15 @@ class Client:
         return self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (request,), message_id=message_id)
 
     def enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str | None = None,
-                conversation_id: str | None = None, turn_id: str | None = None) -> str:
+                conversation_id: str | None = None, turn_id: str | None = None, on_busy: str = "") -> str:
         """What any producer does: store a dramatiq message, push its id on the queue, ring the
         doorbell; and a turn for an existing conversation takes its place in that conversation's
-        line now, so that turns run in the order they were submitted. Returns the message id."""
-        mid, keys, argv = submit_call(self.keys, queue, actor, args, message_id=message_id or uuid.uuid4().hex,
-                                      conversation_id=conversation_id, turn_id=turn_id, owner=None,
-                                      now_ms=int(time.time() * 1000))
-        self._submit(keys=keys, args=argv)
+        line now, so that turns run in the order they were submitted, with its `on_busy` policy
+        applied (`ConversationBusy` for `reject`, nothing written). Returns the message id."""
+        mid, reply = self._submit_turn(queue, actor, args, message_id=message_id or uuid.uuid4().hex,
+                                       conversation_id=conversation_id, turn_id=turn_id, owner=None, on_busy=on_busy)
+        if on_busy:
+            submitted(reply, conversation_id or "")
         return mid
 
     def cancel(self, turn_id: str, reason: str = "") -> str:
@@ -468,6 +516,15 @@ class Client:
         from threadline.workers.protocol.schema import as_bytes
 
         return as_bytes(self.redis.hget(self.keys.snapshots(conversation_id), message_id))
+
+    # --- completion webhooks --------------------------------------------------------------------
+
+    def webhook_secret(self, tenant_id: str, *, rotate: bool = False) -> str:
+        """The tenant's webhook signing secret, created on first use (`rotate` replaces it): what a
+        receiver checks `Threadline-Signature` with (docs/webhooks.md)."""
+        from threadline.workers.storage.webhooks import sync_webhook_secret
+
+        return sync_webhook_secret(self.redis, self.keys, tenant_id, rotate=rotate)
 
     # --- long-term memory: list, correct, forget -----------------------------------------------
 

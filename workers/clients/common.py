@@ -9,8 +9,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Self, cast
 
-from threadline.pipeline.contracts import TURN_SCHEMA, TurnRequest, parse_turn_request, valid_id, valid_turn_id
-from threadline.pipeline.errors import ConversationNotFound, InvalidRequest
+from threadline.pipeline.busy import OnBusy, busy_error, interrupt_victims
+from threadline.pipeline.errors import AgentNotFound, ConversationNotFound, InvalidRequest
+from threadline.pipeline.ids import valid_id, valid_turn_id
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.schema import text
@@ -18,8 +19,11 @@ from threadline.workers.protocol.wire import build_message
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 
+# the turn request's model (pydantic) is imported where a request is checked: a command that only
+# names a turn (`threadline cancel`) never loads it (`bench/cli.py`)
 if TYPE_CHECKING:
     from threadline.pipeline.consolidation import Consolidation
+    from threadline.pipeline.contracts import TurnRequest
     from threadline.pipeline.events import Event
     from threadline.pipeline.memory import MemoryRecord, Scope
     from threadline.pipeline.records import ConversationRecord
@@ -91,24 +95,72 @@ def stream_entries(reply: Any) -> list[tuple[str, Event]]:
 
 def submit_call(keys: Keys, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str,
                 conversation_id: str | None, turn_id: str | None, owner: str | None,
-                now_ms: int) -> tuple[str, list[str], list[str | bytes]]:
-    """The message id, KEYS and ARGV of submit.lua: what any producer writes (sync and async clients)."""
+                now_ms: int, on_busy: str = "",
+                victims: Sequence[str] = ()) -> tuple[str, list[str], list[str | bytes]]:
+    """The message id, KEYS and ARGV of submit.lua: what any producer writes (sync and async clients).
+    `on_busy` (the request's policy, "" = none named) is applied by the script, with the `victims`
+    an interrupting turn read (`busy_reads`)."""
     target, mid, data = build_message(queue, actor, args, message_id=message_id, now_ms=now_ms)
     # only ids that name keys of their own take a place in a line (workers refuse the others)
     register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))
     line = keys.turn_queue(conversation_id if register and conversation_id else "-")
     turn = keys.turn(turn_id if register and turn_id else "-")
     conversation = keys.conversation(conversation_id if register and conversation_id else "-")
+    policy: dict[str, Any] = {}
+    extra: list[str] = []
+    if register and on_busy and conversation_id and turn_id:
+        victim_keys, policy = lua.on_busy_args(keys, turn_id, on_busy, victims,
+                                               cancel_ttl_s=setting_default("cancel_ttl_s"), now=now_ms / 1000)
+        extra = [keys.lease(conversation_id), *victim_keys]
     argv = lua.payload(message_id=mid, turn_id=turn_id if register else "", channel=keys.doorbell_channel(),
-                       queue=target, owner=owner if register and owner else "")
-    return mid, [keys.queue_messages(target), keys.queue(target), line, turn, conversation], [argv, data]
+                       queue=target, owner=owner if register and owner else "", **policy)
+    return mid, [keys.queue_messages(target), keys.queue(target), line, turn, conversation, *extra], [argv, data]
 
 
-def submitted(reply: Any) -> tuple[bool, str]:
+#: Rounds of reading the turns an interrupting turn cancels while turns keep arriving meanwhile.
+BUSY_ATTEMPTS = 8
+
+
+def busy_reads(pipe: Any, keys: Keys, conversation_id: str, turn_id: str) -> None:
+    """Queue on a (sync or async) pipeline what `busy_victims` needs: the holder, the turn's own place
+    and the interrupting turns' places."""
+    pipe.hget(keys.lease(conversation_id), "turn")
+    pipe.zscore(keys.turn_queue(conversation_id), turn_id)
+    pipe.zrangebyscore(keys.turn_queue(conversation_id), "-inf", "(0", withscores=True)
+
+
+def busy_victims(turn_id: str, replies: Sequence[Any]) -> list[str]:
+    """The turns an interrupting turn cancels, from the replies of `busy_reads`."""
+    holder, own, ahead = replies
+    return interrupt_victims(turn_id, text(holder) if holder else None,
+                             [(text(m), float(score)) for m, score in ahead], own)
+
+
+def with_on_busy(request: Mapping[str, Any] | TurnRequest,
+                 on_busy: OnBusy | None) -> Mapping[str, Any] | TurnRequest:
+    """The request with `on_busy` (the keyword of `start` and `submit`; None: the request's own)."""
+    if on_busy is None:
+        return request
+    if isinstance(request, Mapping):
+        return {**request, "on_busy": on_busy}
+    return request.model_copy(update={"on_busy": on_busy})
+
+
+def busy_changed(reply: Any) -> bool:
+    """submit.lua found other turns in the way than the ones read: read them again."""
+    return isinstance(reply, list) and text(reply[0]) == "changed"
+
+
+def submitted(reply: Any, conversation_id: str = "") -> tuple[bool, str]:
     """submit.lua's reply: (enqueued, the existing turn's owner when it was not). A turn of an owner
-    naming another tenant's conversation was refused: `ConversationNotFound`, as for a missing one."""
+    naming another tenant's conversation was refused: `ConversationNotFound`, as for a missing one;
+    an `on_busy: reject` turn of a busy conversation: `ConversationBusy`, nothing written."""
     if isinstance(reply, list) and text(reply[0]) == "foreign_conversation":
         raise ConversationNotFound("conversation not found")
+    if isinstance(reply, list) and text(reply[0]) == "busy":
+        raise busy_error(conversation_id, text(reply[1]))
+    if busy_changed(reply):
+        raise busy_error(conversation_id, "the turns in the way kept changing")
     if isinstance(reply, list):
         return False, text(reply[1])
     return True, ""
@@ -119,6 +171,8 @@ def checked_request(request: Mapping[str, Any] | TurnRequest, *, max_query_chars
                     max_files: int | None = None) -> TurnRequest:
     """The request checked with the workers' own model and limits (`InvalidRequest` when refused);
     a request without a turn id gets a new one."""
+    from threadline.pipeline.contracts import TURN_SCHEMA, TurnRequest, parse_turn_request
+
     if isinstance(request, TurnRequest):
         return request
     return parse_turn_request({"schema": TURN_SCHEMA, **request}, fallback_turn_id=uuid.uuid4().hex,
@@ -130,6 +184,21 @@ def checked_request(request: Mapping[str, Any] | TurnRequest, *, max_query_chars
 def turn_body(request: TurnRequest) -> dict[str, Any]:
     """A checked request as it is enqueued (JSON, the `schema` field by its name)."""
     return request.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def agent_probe(keys: Keys, request: TurnRequest) -> tuple[str, str | None]:
+    """What tells whether the agent a turn runs exists, in one cheap command: the key of the draft it
+    names (EXISTS), else the agent's hash and its `active` field (HEXISTS): a published version."""
+    if request.invoke_from == "draft" and request.draft_id is not None:
+        return keys.agent_draft(request.agent_id, request.draft_id), None
+    return keys.agent(request.agent_id), "active"
+
+
+def missing_agent(request: TurnRequest) -> AgentNotFound:
+    """The refusal of a turn whose agent (or draft) `agent_probe` did not find: nothing is enqueued."""
+    if request.invoke_from == "draft":
+        return AgentNotFound(f"agent {request.agent_id!r} has no draft {request.draft_id!r}")
+    return AgentNotFound(f"agent {request.agent_id!r} is not registered (or has no published version)")
 
 
 def owner_of(tenant: bytes | str | None, conversation_tenant: bytes | str | None) -> str | None:

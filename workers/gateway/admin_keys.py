@@ -12,6 +12,7 @@ from fastapi import Body, FastAPI, Query
 from pydantic import BaseModel, Field
 
 from threadline.pipeline.contracts import Id
+from threadline.pipeline.webhooks import WebhookUrl
 from threadline.workers.gateway.auth import Admin
 from threadline.workers.gateway.refusals import Refused, not_found
 from threadline.workers.storage.api_keys import ApiKey, KeyRing, Limits, parse_duration, parse_expiry
@@ -31,6 +32,8 @@ class NewKey(BaseModel):
     #: A duration from now (`30d`, `24h`) or an ISO 8601 time; none: the key does not expire.
     expires: str | None = Field(default=None, max_length=64)
     limits: LimitsBody = Field(default_factory=LimitsBody)
+    #: POSTed the terminal event of the key's turns that name no `webhook_url` (docs/webhooks.md).
+    webhook_url: WebhookUrl | None = None
 
 
 class Rotation(BaseModel):
@@ -56,7 +59,7 @@ def add_key_routes(app: FastAPI, ring: KeyRing) -> None:
         expires_at = None if body.expires is None else parse_expiry(body.expires, time.time())
         secret, record = ring.create(body.tenant_id, admin=body.role == "admin", name=body.name,
                                      user_id=body.user_id, expires_at=expires_at,
-                                     limits=Limits(**body.limits.model_dump()))
+                                     limits=Limits(**body.limits.model_dump()), webhook_url=body.webhook_url)
         return {"key": secret, "record": shown(record)}
 
     @app.delete("/v1/admin/keys/{key_id}", tags=["admin"])

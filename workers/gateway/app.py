@@ -32,7 +32,7 @@ from threadline.pipeline.contracts import (
     valid_id,
     valid_turn_id,
 )
-from threadline.pipeline.errors import AgentNotFound, ConversationNotFound, Forbidden, ThreadlineError
+from threadline.pipeline.errors import AgentNotFound, ConversationBusy, ConversationNotFound, Forbidden, ThreadlineError
 from threadline.pipeline.history import extract_thread
 from threadline.pipeline.records import ConversationRecord
 from threadline.workers.clients.async_client import AsyncClient
@@ -184,7 +184,7 @@ def _error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
 
 
 _STATUS: dict[type[ThreadlineError], int] = {AgentNotFound: 404, ConversationNotFound: 404, Forbidden: 403,
-                                             TurnIdTaken: 409}
+                                             TurnIdTaken: 409, ConversationBusy: 409}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -262,15 +262,22 @@ def create_app(settings: Settings, url: str, *, console_dir: Path | None = CONSO
     return app
 
 
+def key_webhook(body: TurnBody, key: ApiKey) -> dict[str, str]:
+    """The API key's webhook for a turn that names none (it comes before the agent's: docs/webhooks.md)."""
+    return {"webhook_url": key.webhook_url} if body.webhook_url is None and key.webhook_url else {}
+
+
 def add_turn_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/v1/turns", status_code=202, response_model=TurnAccepted, tags=["turns"],
-              responses={409: {"description": "the turn_id names another tenant's turn"}})
+              responses={409: {"description": "the turn_id names another tenant's turn (`turn_id_taken`), or "
+                                              "`on_busy: reject` found the conversation busy (`conversation_busy`)"}})
     async def post_turn(body: TurnBody, key: TurnCaller) -> TurnAccepted:
         """Enqueue a turn (`threadline.turn/v1`; `tenant_id` is the key's: another one is a 403).
         Idempotent on `turn_id`: the same id again enqueues nothing and answers the same."""
         if body.tenant_id not in (None, key.tenant_id):
             raise ApiError(403, "forbidden", "tenant_id is not the API key's tenant")
-        request = {**body.model_dump(mode="json", by_alias=True, exclude_unset=True), "tenant_id": key.tenant_id}
+        request = {**body.model_dump(mode="json", by_alias=True, exclude_unset=True), "tenant_id": key.tenant_id,
+                   **key_webhook(body, key)}
         # the tenant's ids as stored (tenancy.py); a generated turn id is stored as it is
         checked = checked_request(await gw.stored_request(request, key.tenant_id),
                                   max_query_chars=gw.aclient.max_query_chars,
@@ -284,6 +291,10 @@ def add_turn_routes(app: FastAPI, gw: Gateway) -> None:
             handle = await gw.aclient.start(checked, owner=key.tenant_id)
         except ConversationNotFound:
             raise not_found(f"conversation {body.conversation_id}") from None
+        except ConversationBusy:
+            # the ids as the caller spells them, not as stored
+            raise ApiError(409, "conversation_busy", f"conversation {body.conversation_id} has a turn running or "
+                           "waiting; on_busy=reject refuses the new turn") from None
         turn_id = outside(key.tenant_id, str(handle))
         conversation_id = outside(key.tenant_id, checked.conversation_id or new_conversation_id(handle))
         return TurnAccepted(turn_id=turn_id, conversation_id=conversation_id,

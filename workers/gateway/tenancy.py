@@ -15,20 +15,19 @@ untagged id of its own tenant — never as another tenant's, which reads as a mi
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from threadline.pipeline.contracts import new_conversation_id, valid_id, valid_turn_id
+from threadline.pipeline.namespaces import TAG_CHARS, tenant_tag
 from threadline.workers.clients.async_client import AsyncClient
 
-#: "@" and 12 hex digits; a tenant's own turn ids are this much shorter than the stored ones (120).
-TAG_CHARS = 13
+#: A tenant's own turn ids are this much shorter than the stored ones (120): room for the tag.
 MAX_TURN_ID = 120 - TAG_CHARS
 
 
 def tag(tenant_id: str) -> str:
-    """The suffix of the tenant's namespace (deterministic: every gateway process agrees)."""
-    return "@" + hashlib.sha256(f"threadline.tenant\0{tenant_id}".encode()).hexdigest()[:TAG_CHARS - 1]
+    """The suffix of the tenant's namespace (`pipeline/namespaces.py`: the webhooks take it out too)."""
+    return tenant_tag(tenant_id)
 
 
 def inside(tenant_id: str, external: str) -> str:

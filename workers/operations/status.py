@@ -116,6 +116,11 @@ class TenantUsage:
     output_tokens: int = 0
     requests: int = 0
     turns: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    #: The summed cost of the priced turns, in USD, and how many turns had no known price.
+    cost_usd: float = 0.0
+    unpriced_turns: int = 0
     #: Any other counter the hash holds (a newer worker's).
     other: Mapping[str, int] = field(default_factory=dict)
 
@@ -274,7 +279,10 @@ class Operations:
         counters = {text(k): int(v) for k, v in self.redis.hgetall(self.keys.usage(tenant_id)).items()}
         return TenantUsage(tenant_id, input_tokens=counters.pop("input_tokens", 0),
                            output_tokens=counters.pop("output_tokens", 0), requests=counters.pop("requests", 0),
-                           turns=counters.pop("turns", 0), other=counters)
+                           turns=counters.pop("turns", 0), cache_read_tokens=counters.pop("cache_read_tokens", 0),
+                           cache_write_tokens=counters.pop("cache_write_tokens", 0),
+                           cost_usd=counters.pop("cost_micro_usd", 0) / 1_000_000,
+                           unpriced_turns=counters.pop("unpriced_turns", 0), other=counters)
 
 
 def _scored(reply: Any) -> list[tuple[str, float]]:

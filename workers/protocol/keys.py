@@ -214,6 +214,24 @@ class Keys:
         capped; dramatiq's own dead-letter sets (`<queue>.XQ`) keep the message bodies."""
         return f"{self.prefix}:deadletters"
 
+    # --- completion webhooks (docs/webhooks.md) ------------------------------------------------
+    def webhook(self, delivery_id: str) -> str:
+        """Hash: one delivery (turn_id, tenant_id, url, status, attempts, max_attempts, created_at,
+        the terminal event); written once, by the script that writes the turn's terminal event."""
+        return f"{self.prefix}:webhook:{delivery_id}"
+
+    def webhook_attempts(self, delivery_id: str) -> str:
+        """List: every attempt of a delivery (JSON: attempt, at, status_code, error, excerpt, ms, outcome)."""
+        return f"{self.prefix}:webhook:{delivery_id}:attempts"
+
+    def webhooks(self) -> str:
+        """Sorted set: delivery ids by creation time (`threadline webhooks list`)."""
+        return f"{self.prefix}:webhooks"
+
+    def webhook_secret(self, tenant_id: str) -> str:
+        """String: the tenant's webhook signing secret, created on first use."""
+        return f"{self.prefix}:tenant:{tenant_id}:webhook_secret"
+
     # --- the broker's queues (dramatiq's RedisBroker layout) -----------------------------------
     def queue(self, name: str) -> str:
         """List: ids of the messages waiting on a queue (`<name>.DQ`: its delay queue)."""

@@ -1,6 +1,7 @@
-"""Wire names that are not stage names: the control queue and its cancel actor (the stage graph in
-`pipeline/stages.py` names every stage's actor and queue), and the list of every queue a graph's
-workers consume. Raw producers use these names (docs/protocol.md)."""
+"""Wire names that are not stage names: the control queue and its cancel actor, the completion
+webhooks' queue and its actor (the stage graph in `pipeline/stages.py` names every stage's actor
+and queue), and the list of every queue a graph's workers consume. Raw producers use these names
+(docs/protocol.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Final, Protocol
 #: The control queue and its actor: `cancel(turn_id, reason)`.
 CONTROL_QUEUE: Final = "control"
 CANCEL_ACTOR: Final = "cancel"
+#: The completion webhooks' queue and its actor: `deliver_webhook({"delivery_id", "attempt"})`.
+WEBHOOK_QUEUE: Final = "webhooks"
+WEBHOOK_ACTOR: Final = "deliver_webhook"
 
 
 class _Queued(Protocol):
@@ -18,5 +22,5 @@ class _Queued(Protocol):
 
 
 def queues(stages: Iterable[_Queued]) -> tuple[str, ...]:
-    """Every queue the workers of a stage graph consume: each stage's, then the control queue."""
-    return (*(s.queue for s in stages), CONTROL_QUEUE)
+    """Every queue the workers of a stage graph consume: each stage's, the control queue, the webhooks'."""
+    return (*(s.queue for s in stages), CONTROL_QUEUE, WEBHOOK_QUEUE)

@@ -30,6 +30,9 @@ from threadline.pipeline.errors import AgentNotFound, InvalidRequest
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.schema import text
 from threadline.workers.storage import lua
+from threadline.workers.storage.agent_index import AgentSummary as AgentSummary
+from threadline.workers.storage.agent_index import agent_summaries, agent_summary
+from threadline.workers.storage.agent_index import render_agents as render_agents
 
 Source = Literal["put", "publish"]
 Action = Literal["put", "publish", "rollback"]
@@ -72,14 +75,6 @@ class PutResult:
     ref: str
     created: bool
     version: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AgentSummary:
-    agent_id: str
-    active: int | None
-    latest: int | None
-    drafts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,13 +198,10 @@ class AgentRegistry:
 
     def agents(self) -> list[AgentSummary]:
         """Every registered agent with its active and latest version and its drafts, by id."""
-        ids = sorted(text(i) for i in self.redis.smembers(self.keys.agents()))
-        return [self._summary(agent_id) for agent_id in ids]
+        return agent_summaries(self.redis, self.keys)
 
     def _summary(self, agent_id: str) -> AgentSummary:
-        active, latest = self.redis.hmget(self.keys.agent(agent_id), ["active", "latest"])
-        drafts = tuple(sorted(text(d) for d in self.redis.smembers(self.keys.agent_drafts(agent_id))))
-        return AgentSummary(agent_id, _number(active), _number(latest), drafts)
+        return agent_summary(self.redis, self.keys, agent_id)
 
     def versions(self, agent_id: str) -> AgentVersions:
         summary = self._summary(agent_id)
@@ -248,25 +240,11 @@ class AgentRegistry:
         return AgentNotFound(f"agent {agent_id!r} has no version v{version}")
 
 
-def _number(value: bytes | str | None) -> int | None:
-    return None if value is None else int(text(value))
-
-
 # --- for the terminal ------------------------------------------------------------------------------
 
 
 def _when(ts: float | None) -> str:
     return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ts))
-
-
-def _ref(version: int | None) -> str:
-    return "-" if version is None else f"v{version}"
-
-
-def render_agents(summaries: list[AgentSummary]) -> list[str]:
-    """`threadline agents list`: one line per agent."""
-    return [f"{s.agent_id}  active {_ref(s.active)}  latest {_ref(s.latest)}"
-            + (f"  drafts {', '.join(s.drafts)}" if s.drafts else "") for s in summaries]
 
 
 def render_versions(history: AgentVersions) -> list[str]:

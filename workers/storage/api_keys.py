@@ -4,8 +4,9 @@ A key names its tenant (the gateway takes the tenant from the key, never from a 
 its role (`tenant`, or `admin`: may also write agent configs and manage keys) and optionally one
 user it may act as. A record has a short public id (`keys list`, `keys revoke ID`), a name, when it
 was made, when it expires, when it was revoked, and its own rate limits (None: the settings'
-defaults). Rotation makes a key with the same name, tenant, role, user and limits and lets the old
-one live on until a grace period ends, so clients can move. Records are never deleted: a revoked
+defaults), and optionally a webhook URL for its turns. Rotation makes a key with the same name,
+tenant, role, user, limits and webhook URL and lets the old one live on until a grace period ends,
+so clients can move. Records are never deleted: a revoked
 or expired key stays listed (and refused). Sync (`redis.Redis`) for the CLI, async for the gateway.
 """
 
@@ -24,6 +25,7 @@ import redis
 
 from threadline.pipeline.contracts import valid_id
 from threadline.pipeline.errors import InvalidRequest
+from threadline.pipeline.webhooks import webhook_url_problem
 from threadline.workers.protocol.keys import Keys
 
 #: Every key starts with it, so a leaked one is easy to find in logs and scanners.
@@ -54,6 +56,9 @@ class ApiKey:
     expires_at: float | None = None
     revoked_at: float | None = None
     limits: Limits = field(default_factory=Limits)
+    #: Where the terminal event of the key's turns is POSTed when a turn names no `webhook_url`
+    #: (before its agent's: docs/webhooks.md).
+    webhook_url: str | None = None
 
     @property
     def role(self) -> Role:
@@ -72,7 +77,8 @@ class ApiKey:
         """The stored record (JSON), also what `keys list --json` shows with `last_used_at`."""
         return {"id": self.id, "name": self.name, "tenant_id": self.tenant_id, "role": self.role,
                 "admin": self.admin, "user_id": self.user_id, "created_at": self.created_at,
-                "expires_at": self.expires_at, "revoked_at": self.revoked_at, "limits": asdict(self.limits)}
+                "expires_at": self.expires_at, "revoked_at": self.revoked_at, "limits": asdict(self.limits),
+                "webhook_url": self.webhook_url}
 
 
 def key_digest(key: str) -> str:
@@ -94,7 +100,8 @@ def parse_key(stored: bytes | str | None, digest: str = "") -> ApiKey | None:
                   id=str(record.get("id") or legacy_id(digest)), name=str(record.get("name") or ""),
                   user_id=record.get("user_id") or None, created_at=float(record.get("created_at") or 0),
                   expires_at=_opt_float(record.get("expires_at")), revoked_at=_opt_float(record.get("revoked_at")),
-                  limits=Limits(**{k: limits.get(k) for k in ("rps", "turns_per_min", "streams")}))
+                  limits=Limits(**{k: limits.get(k) for k in ("rps", "turns_per_min", "streams")}),
+                  webhook_url=record.get("webhook_url") or None)
 
 
 def _opt_float(value: Any) -> float | None:
@@ -127,7 +134,7 @@ def parse_duration(value: str) -> float:
 
 def new_key(tenant_id: str, *, admin: bool = False, name: str = "", user_id: str | None = None,
             expires_at: float | None = None, limits: Limits | None = None, now: float | None = None,
-            ) -> tuple[str, ApiKey]:
+            webhook_url: str | None = None) -> tuple[str, ApiKey]:
     """A new random key and its record (nothing stored yet); the key is shown once."""
     if valid_id(tenant_id) is None:
         raise InvalidRequest(f"{tenant_id!r} is not a tenant id")
@@ -138,10 +145,12 @@ def new_key(tenant_id: str, *, admin: bool = False, name: str = "", user_id: str
     for value in asdict(limits or Limits()).values():
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise InvalidRequest("a key's limits are integers >= 0 (0: no limit)")
+    if webhook_url is not None and (problem := webhook_url_problem(webhook_url)) is not None:
+        raise InvalidRequest(f"webhook_url: {problem}")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     record = ApiKey(tenant_id=tenant_id, admin=admin, id=f"k{secrets.token_hex(6)}", name=name, user_id=user_id,
                     created_at=time.time() if now is None else now, expires_at=expires_at,
-                    limits=limits or Limits())
+                    limits=limits or Limits(), webhook_url=webhook_url)
     return key, record
 
 
@@ -213,7 +222,7 @@ class KeyRing:
         if expires_at is None and old.expires_at is not None:
             expires_at = now + max(0.0, old.expires_at - old.created_at)
         key, record = new_key(old.tenant_id, admin=old.admin, name=old.name, user_id=old.user_id,
-                              expires_at=expires_at, limits=old.limits, now=now)
+                              expires_at=expires_at, limits=old.limits, now=now, webhook_url=old.webhook_url)
         ends = now + grace_s if old.expires_at is None else min(old.expires_at, now + grace_s)
         old = replace(old, expires_at=ends)
         self._store(key_digest(key), record, (digest, old))

@@ -15,24 +15,29 @@ transition; docs/architecture.md says what remains.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import cache
 from importlib import resources
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from threadline.pipeline.events import TERMINAL_TYPES
+from threadline.pipeline.busy import interrupt_reason
+from threadline.pipeline.terminal import TERMINAL_TYPES
+
+if TYPE_CHECKING:
+    from threadline.workers.protocol.keys import Keys
 
 ScriptName = Literal[
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
     "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
     "delete_conversation", "dead_letter_replay", "dead_letter_purge", "heartbeat", "reap", "rate_limit",
-    "memory_apply", "memory_forget", "memory_note", "memory_lease",
+    "memory_apply", "memory_forget", "memory_note", "memory_lease", "webhook_attempt", "webhook_retry",
 ]
 #: The scripts of the turn state machine (the broker's `dead_letter`, the agent registry's `agent_*`,
 #: the operations' `dead_letter_*`, a worker's `heartbeat` and the gateway's `rate_limit` are registered by
 #: their consumers; long-term memory's `memory_*` by `storage/memory.py`).
 SCRIPT_NAMES: tuple[ScriptName, ...] = (
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release",
-    "slot_acquire", "slot_renew", "slot_release", "delete_conversation", "reap",
+    "slot_acquire", "slot_renew", "slot_release", "delete_conversation", "reap", "webhook_attempt", "webhook_retry",
 )
 
 
@@ -53,3 +58,14 @@ def source(name: ScriptName) -> str:
 def payload(**fields: Any) -> str:
     """ARGV[1] of every script: one JSON object."""
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
+
+
+def on_busy_args(keys: Keys, turn_id: str, policy: str, victims: Sequence[str], *, cancel_ttl_s: int,
+                 now: float) -> tuple[list[str], dict[str, Any]]:
+    """The extra KEYS (a turn key and a cancel flag key per victim) and the payload fields with which
+    submit.lua and admit.lua apply a turn's `on_busy` policy (prelude.lua's `on_busy`); `policy` ""
+    applies none."""
+    victim_keys = [key for v in victims for key in (keys.turn(v), keys.cancel_flag(v))]
+    return victim_keys, {"on_busy": policy, "victims": list(victims), "reason": interrupt_reason(turn_id),
+                         "rollback": policy == "rollback", "cancel_ttl_s": cancel_ttl_s,
+                         "cancel_channel": keys.cancel_channel(), "now": now}

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from threadline.pipeline import events
+from threadline.pipeline.busy import DEFAULT_ON_BUSY, OnBusy, interrupt_victims, interrupts
+from threadline.pipeline.cost import usage_counters
 from threadline.pipeline.records import ConversationRecord, MessageRecord
 from threadline.pipeline.resolve import Refusal, refusal_error
+from threadline.workers.protocol.names import WEBHOOK_ACTOR, WEBHOOK_QUEUE
 from threadline.workers.protocol.schema import (
     TurnState,
     as_bytes,
@@ -23,10 +26,17 @@ from threadline.workers.protocol.wire import build_message
 from threadline.workers.storage import lua
 from threadline.workers.storage.base import StoreBase
 
+#: What a cancel flag holds when the cancellation gave no reason.
+NO_CANCEL_REASON = "cancelled"
+
 BeginStatus = Literal["go", "unknown", "done", "terminal", "cancelled", "timed_out", "duplicate"]
 
 
-Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled", "refused"]
+#: Rounds of reading the turns an interrupting turn cancels while turns keep arriving meanwhile.
+BUSY_ATTEMPTS = 8
+
+#: "busy": refused by `on_busy: reject`; "changed": the victims named are not the turns in the way.
+Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled", "refused", "busy", "changed"]
 
 #: What advance.lua and finish.lua answer when a write into a conversation is refused (see
 #: `pipeline.resolve.Refusal`): nothing was written.
@@ -113,6 +123,8 @@ class Finish:
     fence: str = ""
     tenant_id: str = ""
     before: Sequence[events.Event] = ()
+    #: POSTed the terminal event (a delivery created with it, once: docs/webhooks.md); "" = none.
+    webhook_url: str = ""
 
 
 class TurnStore(StoreBase):
@@ -122,22 +134,46 @@ class TurnStore(StoreBase):
                              delay_ms=next_.delay_ms)
 
     async def admit(self, turn_id: str, conversation_id: str, *, now: float, request: bytes, tenant_id: str = "",
-                    creates: bool = False) -> tuple[Admission, str]:
+                    creates: bool = False, on_busy: OnBusy = DEFAULT_ON_BUSY) -> tuple[Admission, str]:
         """Join the conversation's line; run now, or wait to be woken (`request` is kept for that).
         "refused" (with why, one of `REFUSALS`) when the turn may not write into the conversation:
         another tenant's (`tenant_id` given), one that exists when the turn `creates` it, or one
-        whose messages hold the turn's id already."""
+        whose messages hold the turn's id already. On its first admission the turn's `on_busy`
+        applies: "busy" (with the turn in its way) refuses a `reject` turn."""
+        for _ in range(BUSY_ATTEMPTS):
+            victims = await self.interrupt_victims(conversation_id, turn_id) if interrupts(on_busy) else []
+            status, detail = await self._admit(turn_id, conversation_id, now=now, request=request, tenant_id=tenant_id,
+                                               creates=creates, on_busy=on_busy, victims=victims)
+            if status != "changed":
+                return status, detail
+        return status, detail
+
+    async def interrupt_victims(self, conversation_id: str, turn_id: str) -> list[str]:
+        """The turns an interrupting turn would cancel now (read before its script checks them)."""
         k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(k.lease(conversation_id), "turn")
+            pipe.zscore(k.turn_queue(conversation_id), turn_id)
+            pipe.zrangebyscore(k.turn_queue(conversation_id), "-inf", "(0", withscores=True)
+            holder, own, ahead = await pipe.execute()
+        return interrupt_victims(turn_id, text(holder) if holder else None,
+                                 [(text(m), float(score)) for m, score in ahead], own)
+
+    async def _admit(self, turn_id: str, conversation_id: str, *, now: float, request: bytes, tenant_id: str,
+                     creates: bool, on_busy: OnBusy, victims: Sequence[str]) -> tuple[Admission, str]:
+        k = self.keys
+        victim_keys, policy = lua.on_busy_args(k, turn_id, on_busy, victims, cancel_ttl_s=self.settings.cancel_ttl_s,
+                                               now=now)
         reply = await self._run(
             "admit",
             [k.turn(turn_id), k.cancel_flag(turn_id), k.running(), k.turn_queue(conversation_id),
              k.lease(conversation_id), k.waiting(conversation_id), k.queue_messages(self.graph.first.queue),
              k.queue(self.graph.first.queue), k.activity(), k.conversation(conversation_id),
-             k.messages(conversation_id)],
-            lua.payload(turn_id=turn_id, conversation_id=conversation_id, now=now,
+             k.messages(conversation_id), *victim_keys],
+            lua.payload(turn_id=turn_id, conversation_id=conversation_id,
                         done=f"done:{self.graph.first.name}", channel=k.doorbell_channel(),
                         queue=self.graph.first.queue, activity=self.settings.retention_days > 0,
-                        tenant_id=tenant_id, creates=creates),
+                        tenant_id=tenant_id, creates=creates, **policy),
             request,
         )
         status = cast(Admission, text(reply[0]))
@@ -241,22 +277,37 @@ class TurnStore(StoreBase):
         cid = f.conversation_id or "-"
         usage = f.message.usage if f.message is not None else None
         admit_queue = self.graph.first.queue
+        webhook, first = self._webhook(f, now=now)
         return await self._run(
             "finish",
             [k.turn(f.turn_id), k.events(f.turn_id), k.cancel_flag(f.turn_id), k.model_claim(f.turn_id), k.running(),
              k.conversation(cid), k.messages(cid), k.snapshots(cid), k.lease(cid), k.turn_queue(cid), k.waiting(cid),
              k.usage(f.tenant_id or "-"), k.queue_messages(admit_queue), k.queue(admit_queue), k.activity(),
+             k.webhook(f.turn_id), k.webhooks(), k.queue_messages(WEBHOOK_QUEUE), k.queue(WEBHOOK_QUEUE),
+             k.message_order(cid),
              *(k.artifact(f.turn_id, s.name) for s in self.graph.turn_stages)],
             lua.payload(
                 turn_id=f.turn_id, status=f.event.type, conversation_id=f.conversation_id,
                 message_id=f.message.id if f.message else "", fence=f.fence, now=now, ttl_s=self.settings.turn_ttl_s,
-                usage=usage.model_dump() if usage else {}, pending=json.dumps(list(f.pending_tool_calls)),
+                usage=usage_counters(usage) if usage else {}, pending=json.dumps(list(f.pending_tool_calls)),
                 channel=k.doorbell_channel(), admit_queue=admit_queue,
                 events=[*(events.encode(e) for e in f.before), events.encode(f.event)],
-                activity=self.settings.retention_days > 0, tenant_id=f.tenant_id,
+                activity=self.settings.retention_days > 0, tenant_id=f.tenant_id, **webhook,
             ),
-            f.message.model_dump_json() if f.message else "", f.snapshot or "",
+            f.message.model_dump_json() if f.message else "", f.snapshot or "", first,
         )
+
+    def _webhook(self, f: Finish, *, now: float) -> tuple[dict[str, Any], bytes]:
+        """The finish script's `webhook` field and the delivery's first message (the delivery id is
+        the turn id: the idempotency id a receiver de-duplicates on)."""
+        if not f.webhook_url:
+            return {}, b""
+        job = {"delivery_id": f.turn_id, "attempt": 1}
+        queue, message_id, data = build_message(WEBHOOK_QUEUE, WEBHOOK_ACTOR, (job,), message_id=f"wh.{f.turn_id}.1",
+                                                now_ms=int(now * 1000))
+        return {"webhook": {"id": f.turn_id, "url": f.webhook_url, "tenant_id": f.tenant_id,
+                            "max_attempts": self.settings.webhook_max_attempts,
+                            "ttl_s": self.settings.turn_ttl_s, "message_id": message_id, "queue": queue}}, data
 
     async def stalled(self, turn_id: str, *, now: float, max_recoveries: int, stall_s: float | None = None,
                       recheck_s: float | None = None) -> Stall:
@@ -308,10 +359,15 @@ class TurnStore(StoreBase):
         k = self.keys
         reply = await self._run(
             "cancel", [k.cancel_flag(turn_id), k.turn(turn_id)],
-            lua.payload(turn_id=turn_id, reason=reason or "cancelled", ttl_s=self.settings.cancel_ttl_s,
+            lua.payload(turn_id=turn_id, reason=reason or NO_CANCEL_REASON, ttl_s=self.settings.cancel_ttl_s,
                             channel=k.cancel_channel(), now=now),
         )
         return text(reply[0]), text(reply[1])
+
+    async def cancel_reason(self, turn_id: str) -> str:
+        """The reason the turn's cancel flag holds, for its `cancelled` event ("" when none was given)."""
+        reason = text(await self.redis.get(self.keys.cancel_flag(turn_id)) or b"")
+        return "" if reason == NO_CANCEL_REASON else reason
 
     async def dead_letter(self, queue: str, message_id: str, actor: str, reason: str) -> None:
         """Record a message that names no turn of its own (nothing to report on a turn's stream)."""

@@ -52,6 +52,12 @@ CANCEL_SECONDS = Histogram("threadline_cancel_latency_seconds",
 INPUT_TOKENS = Counter("threadline_model_input_tokens", "Model input tokens of ended turns", ["agent", "tenant"])
 OUTPUT_TOKENS = Counter("threadline_model_output_tokens", "Model output tokens of ended turns", ["agent", "tenant"])
 MODEL_REQUESTS = Counter("threadline_model_requests", "Model requests of ended turns", ["agent", "tenant"])
+TOKENS = Counter("threadline_tokens", "Model tokens of ended turns by kind: input (cached ones included), output, "
+                 "cache_read, cache_write", ["agent", "tenant", "kind"])
+COST_USD = Counter("threadline_cost_usd", "Cost in USD of ended turns with a known price (genai-prices)",
+                   ["agent", "tenant"])
+UNPRICED_TURNS = Counter("threadline_unpriced_turns", "Ended turns with model requests and no known price",
+                         ["agent", "tenant"])
 CONSUMERS = Gauge("threadline_worker_consumers", "dramatiq consumer threads alive, per worker process",
                   multiprocess_mode="liveall")
 WORKER_READY = Gauge("threadline_worker_ready", "1 while every consumer and worker thread of a worker process runs",
@@ -71,6 +77,13 @@ def turn_ended(event: events.Terminal, *, write: str, turn: ResolvedTurn | None)
     INPUT_TOKENS.labels(*labels).inc(usage.input_tokens)
     OUTPUT_TOKENS.labels(*labels).inc(usage.output_tokens)
     MODEL_REQUESTS.labels(*labels).inc(usage.requests)
+    for kind, count in (("input", usage.input_tokens), ("output", usage.output_tokens),
+                        ("cache_read", usage.cache_read_tokens), ("cache_write", usage.cache_write_tokens)):
+        TOKENS.labels(*labels, kind).inc(count)
+    if usage.cost_usd is not None:
+        COST_USD.labels(*labels).inc(usage.cost_usd)
+    elif usage.requests:
+        UNPRICED_TURNS.labels(*labels).inc()
 
 
 def cancel_closed(requested_at: float | None, *, now: float) -> None:

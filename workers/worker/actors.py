@@ -1,5 +1,5 @@
-"""The actors: one per stage of the stage graph, run by the runner of its kind, and the control
-actor. Their names and queues are the public queue contract (`pipeline.stages`)."""
+"""The actors: one per stage of the stage graph, run by the runner of its kind, the control
+actor and the completion webhooks' actor. Their names and queues are the public queue contract (`pipeline.stages`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import dramatiq
 
 from threadline.pipeline.stages import Stage, StageGraph, StageKind
-from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE, WEBHOOK_ACTOR, WEBHOOK_QUEUE
 from threadline.workers.worker.runners.admit import run_admit
 from threadline.workers.worker.runners.cancel import run_cancel
 from threadline.workers.worker.runners.common import Malformed
@@ -18,6 +18,7 @@ from threadline.workers.worker.runners.finish import run_finish
 from threadline.workers.worker.runners.memory import run_memory
 from threadline.workers.worker.runners.model import run_model
 from threadline.workers.worker.runners.transform import run_transform
+from threadline.workers.worker.runners.webhook import run_webhook
 from threadline.workers.worker.runtime import Runtime, RuntimeRef
 
 Runner = Callable[[Runtime, Stage, object], Awaitable[None]]
@@ -45,6 +46,13 @@ def declare_actors(broker: dramatiq.Broker, graph: StageGraph, ref: RuntimeRef, 
 
     declared[CANCEL_ACTOR] = _declare(broker, CANCEL_ACTOR, CONTROL_QUEUE, cancel, priority=0,
                                       max_retries=max_retries)
+
+    async def deliver(*args: object, **kwargs: object) -> None:
+        # after the turn: the lowest priority (one argument, else refused by the runner)
+        await run_webhook(ref.get(), args[0] if len(args) == 1 and not kwargs else Malformed())
+
+    declared[WEBHOOK_ACTOR] = _declare(broker, WEBHOOK_ACTOR, WEBHOOK_QUEUE, deliver, priority=20,
+                                       max_retries=max_retries)
     return declared
 
 

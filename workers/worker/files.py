@@ -79,7 +79,7 @@ async def _head_all(urls: list[str], *, timeout_s: float, public_only: bool) -> 
 
         async def one(url: str) -> FileCheck:
             async with gate:
-                if public_only and not await _public_host(url):
+                if public_only and not await public_host(url):
                     return FileCheck("unknown")  # not asked: replayed as its reference
                 return await _head(http, url)
 
@@ -105,8 +105,9 @@ async def _head(http: httpx.AsyncClient, url: str) -> FileCheck:
     return FileCheck("unknown")
 
 
-async def _public_host(url: str) -> bool:
-    """Whether every address the URL's host resolves to is a global one."""
+async def public_host(url: str) -> bool:
+    """Whether every address the URL's host resolves to is a global one (also the rule of completion
+    webhooks under `TL_WEBHOOK_HOSTS=public`: `runners/webhook.py`)."""
     try:
         parts = urlsplit(url)
         host = parts.hostname

@@ -17,6 +17,7 @@ from pydantic_ai.models import Model
 from pydantic_ai.models.fallback import FallbackModel
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
+from threadline.pipeline.caching import PromptCacheModel, cache_plan
 from threadline.pipeline.config import ModelSpec, Provider
 from threadline.pipeline.errors import InvalidRequest, ModelKeyMissing, ProviderNotInstalled
 from threadline.pipeline.invoke import BUILTIN_TOOLS, TurnDeps, falls_back
@@ -30,6 +31,7 @@ from threadline.pipeline.llm import (
     words,
 )
 from threadline.pipeline.policy import key_variables
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -40,7 +42,18 @@ def build_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool =
     `FallbackModel` over the chain, each model in its own profile."""
     if spec.fallback:
         return _fallback_chain(spec, env=env, allow_python=allow_python)
-    return StrictSystemModel(_base_model(spec, env=env, allow_python=allow_python), profile_for(spec))
+    return StrictSystemModel(_cached(_base_model(spec, env=env, allow_python=allow_python), spec), profile_for(spec))
+
+
+def _cached(model: Model, spec: ModelSpec) -> Model:
+    """`model` with its own `model.cache` plan (`pipeline/caching.py`): each model of a chain its own.
+    The prefix worth a breakpoint is measured with the model's local tokenizer (its provider's
+    count endpoint is not asked for that)."""
+    if spec.provider == "offline":
+        return model
+    tokenizer = load_tokenizer(None if spec.counts_with_provider() else spec.tokenizer, spec.provider)
+    plan = cache_plan(spec, tokenizer)
+    return PromptCacheModel(model, plan) if plan is not None else model
 
 
 def build_counting_model(spec: ModelSpec, *, env: Mapping[str, str], allow_python: bool = False) -> Model:

@@ -164,6 +164,7 @@ class Runtime:
                 message=final_row(accepted, status=status, now=self.now(), code=code) if accepted else None,
                 fence=state.fence,
                 tenant_id=accepted.tenant_id if accepted else "",
+                webhook_url=(accepted.webhook_url or "") if accepted else "",
             ),
             now=self.now(),
         )

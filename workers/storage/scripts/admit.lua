@@ -4,15 +4,21 @@
 -- A turn of another tenant's conversation, a first turn whose conversation exists already, or a
 -- turn whose message id (its turn id) names a row already is refused, and nothing is written: ids
 -- outlive turn records, so the check is here, where the turn joins the conversation.
+-- On its first admission, the turn's `on_busy` policy is applied (prelude.lua's `on_busy`): a
+-- `reject` turn of a busy conversation is refused with nothing written; an interrupting one cancels
+-- the turns in its way and takes the place before every waiting turn.
 -- KEYS[1] turn   KEYS[2] cancel flag   KEYS[3] running turns   KEYS[4] conversation's line
 -- KEYS[5] conversation's lease   KEYS[6] conversation's waiting requests   KEYS[7] admit queue's
 -- messages   KEYS[8] admit queue   KEYS[9] activity index   KEYS[10] conversation   KEYS[11] its messages
+-- KEYS[12...] a turn key and a cancel flag key per victim named (`on_busy` interrupt or rollback)
 -- ARGV[1] JSON {turn_id, conversation_id, now, done (the admit stage's done marker), channel, queue,
 --               activity (keep the activity index: retention is on), tenant_id ("" = not checked),
---               creates (the turn starts the conversation)}
+--               creates (the turn starts the conversation),
+--               on_busy ("" = enqueue), victims, reason, rollback, cancel_ttl_s, cancel_channel}
 -- ARGV[2] the turn's request as a dramatiq message whose id is a placeholder (see finish.lua)
 -- Returns {'admitted', fence} | {'waiting', ahead} | {'terminal', status} | {'done'} | {'cancelled'}
 --       | {'refused', 'foreign_conversation' | 'conversation_exists' | 'message_exists'}
+--       | {'busy', the turn in the way} | {'changed'} (the victims named are not the turns in the way)
 local turn = KEYS[1]
 local a = cjson.decode(ARGV[1])
 local status = redis.call('HGET', turn, 'status')
@@ -27,6 +33,10 @@ if redis.call('HEXISTS', turn, a.done) == 1 then return {'done'} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancelled'} end
 local refusal = conversation_refusal(KEYS[10], KEYS[11], a.tenant_id, a.creates, a.turn_id)
 if refusal then return {'refused', refusal} end
+if not status then
+  local verdict = on_busy(KEYS[4], KEYS[5], {unpack(KEYS, 12)}, a)
+  if verdict then return verdict end
+end
 redis.call('ZADD', KEYS[4], 'NX', now_us(), a.turn_id)
 redis.call('HSET', KEYS[6], a.turn_id, ARGV[2])
 redis.call('HSET', turn, 'conversation_id', a.conversation_id)

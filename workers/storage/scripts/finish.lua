@@ -4,15 +4,24 @@
 -- KEYS[1] turn   KEYS[2] events   KEYS[3] cancel flag   KEYS[4] model claim   KEYS[5] running turns
 -- KEYS[6] conversation   KEYS[7] messages   KEYS[8] snapshots   KEYS[9] lease   KEYS[10] line
 -- KEYS[11] waiting requests   KEYS[12] the tenant's usage   KEYS[13] admit queue's messages
--- KEYS[14] admit queue   KEYS[15] activity index   KEYS[16...] the turn's artifacts
+-- KEYS[14] admit queue   KEYS[15] activity index   KEYS[16] webhook delivery   KEYS[17] deliveries index
+-- KEYS[18] webhook queue's messages   KEYS[19] webhook queue   KEYS[20] the conversation's message order
+-- KEYS[21...] the turn's artifacts
 -- ARGV[1] JSON {turn_id, status, conversation_id ("" = none), message_id ("" = not accepted),
 --               fence, now, ttl_s, usage {name: count}, pending (JSON text), channel,
 --               admit_queue, events: [event..., the terminal event last],
---               activity (keep the activity index: retention is on), tenant_id (the turn's)}
+--               activity (keep the activity index: retention is on), tenant_id (the turn's),
+--               webhook (absent: none; else {id, url, tenant_id, max_attempts, ttl_s, message_id, queue})}
 -- ARGV[2] the message row   ARGV[3] the snapshot ("" = keep what is stored as it is)
+-- ARGV[4] the webhook queue's first message ("" = no webhook)
+-- The webhook delivery (docs/webhooks.md) is created and queued here, with the terminal event: once
+-- per turn, however often the finish stage runs.
 -- A row is written only into a conversation of the turn's own tenant, and only where the turn's
 -- accept put its pending row; anything else is refused and nothing is written (the caller ends the
 -- turn `failed` without a row).
+-- A turn another turn interrupted (`on_busy`, prelude.lua) that ends `cancelled` keeps its partial
+-- answer in a row marked `interrupted_by` — or, interrupted by a `rollback`, leaves the thread: its
+-- pending row goes, and neither the tip nor the snapshots change (usage is still counted).
 -- Returns {'ok'} | {'already', status} | {'stale'} | {'refused', 'foreign_conversation' | 'message_exists'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
@@ -24,9 +33,18 @@ if a.message_id ~= '' then
   if holder ~= a.turn_id or redis.call('HGET', KEYS[9], 'fence') ~= a.fence then return {'stale'} end
   if redis.call('HGET', KEYS[6], 'tenant_id') ~= a.tenant_id then return {'refused', 'foreign_conversation'} end
   if redis.call('HGET', turn, 'message_id') ~= a.message_id then return {'refused', 'message_exists'} end
-  redis.call('HSET', KEYS[7], a.message_id, ARGV[2])
-  if ARGV[3] ~= '' then redis.call('HSET', KEYS[8], a.message_id, ARGV[3]) end
-  redis.call('HSET', KEYS[6], 'tip', a.message_id, 'pending', a.pending)
+  local interrupted = a.status == 'cancelled' and redis.call('HGET', turn, 'interrupted_by')
+  if interrupted and redis.call('HGET', turn, 'rollback') == '1' then
+    redis.call('HDEL', KEYS[7], a.message_id)
+    redis.call('ZREM', KEYS[20], a.message_id)
+  else
+    local row = ARGV[2]
+    -- the row's JSON holds `"interrupted_by":null` once, as a field (inside a text, a quote is escaped)
+    if interrupted then row = string.gsub(row, '"interrupted_by":null', '"interrupted_by":"' .. interrupted .. '"', 1) end
+    redis.call('HSET', KEYS[7], a.message_id, row)
+    if ARGV[3] ~= '' then redis.call('HSET', KEYS[8], a.message_id, ARGV[3]) end
+    redis.call('HSET', KEYS[6], 'tip', a.message_id, 'pending', a.pending)
+  end
   redis.call('HINCRBY', KEYS[6], 'revision', 1)
   for name, count in pairs(a.usage) do redis.call('HINCRBY', KEYS[12], name, count) end
   redis.call('HINCRBY', KEYS[12], 'turns', 1)
@@ -36,7 +54,17 @@ for _, json in ipairs(a.events) do emit(turn, events, json) end
 redis.call('HSET', turn, 'status', a.status, 'finished_at', a.now)
 redis.call('ZREM', KEYS[5], a.turn_id)
 redis.call('DEL', KEYS[3], KEYS[4])
-for i = 16, #KEYS do redis.call('DEL', KEYS[i]) end
+for i = 21, #KEYS do redis.call('DEL', KEYS[i]) end
+if a.webhook and redis.call('EXISTS', KEYS[16]) == 0 then
+  local w = a.webhook
+  local terminal = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)[1][2][2]
+  redis.call('HSET', KEYS[16], 'turn_id', a.turn_id, 'tenant_id', w.tenant_id, 'url', w.url, 'status', 'pending',
+             'attempts', 0, 'max_attempts', w.max_attempts, 'created_at', a.now, 'event', terminal)
+  redis.call('EXPIRE', KEYS[16], w.ttl_s)
+  redis.call('ZADD', KEYS[17], a.now, w.id)
+  redis.call('ZREMRANGEBYSCORE', KEYS[17], '-inf', a.now - w.ttl_s)
+  enqueue(KEYS[18], KEYS[19], w.message_id, ARGV[4], a.channel, w.queue)
+end
 redis.call('EXPIRE', turn, a.ttl_s)
 redis.call('EXPIRE', events, a.ttl_s)
 if a.conversation_id ~= '' then

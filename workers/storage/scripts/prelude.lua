@@ -70,3 +70,73 @@ local function conversation_refusal(conversation, messages, tenant, creates, mes
   if redis.call('HEXISTS', messages, message_id) == 1 then return 'message_exists' end
   return nil
 end
+
+-- Raise a turn's cancel flag (durable, with a TTL) and tell every worker process (cancel.lua). The
+-- turn's status ('unknown': not admitted yet), or nil for a turn that has ended: nothing to cancel.
+local function raise_cancel(flag, turn, turn_id, reason, ttl_s, channel, now)
+  local status = redis.call('HGET', turn, 'status')
+  if status and TERMINAL[status] then return nil end
+  redis.call('SET', flag, reason, 'EX', ttl_s)
+  redis.call('HSET', turn, 'cancel_requested_at', now)
+  if redis.call('TTL', turn) < 0 then redis.call('EXPIRE', turn, ttl_s) end
+  redis.call('PUBLISH', channel, turn_id)
+  return status or 'unknown'
+end
+
+-- Double texting (pipeline/busy.py). A conversation is busy for a turn when another holds it or
+-- stands before the turn in its line (a turn not in the line yet: anyone in it): that turn's id.
+local function busy_with(line, lease, turn_id)
+  local holder = redis.call('HGET', lease, 'turn')
+  if holder and holder ~= turn_id then return holder end
+  local rank = redis.call('ZRANK', line, turn_id)
+  local first = redis.call('ZRANGE', line, 0, 0)[1]
+  if first and (rank == false or rank > 0) and first ~= turn_id then return first end
+  return nil
+end
+
+-- The turns an interrupting turn cancels (pipeline/busy.py's `interrupt_victims`, same order): the
+-- holder, then the interrupting turns placed before the turn (a negative place in the line).
+local function busy_victims(line, lease, turn_id)
+  local holder = redis.call('HGET', lease, 'turn')
+  local victims = {}
+  if holder and holder ~= turn_id then victims[1] = holder end
+  local own = tonumber(redis.call('ZSCORE', line, turn_id) or '0')
+  local bound = own < 0 and ('(' .. string.format('%.0f', own)) or '(0'
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', line, '-inf', bound)) do
+    if id ~= turn_id and id ~= holder then victims[#victims + 1] = id end
+  end
+  return victims
+end
+
+-- Apply a turn's `on_busy` policy (a = {turn_id, on_busy, victims, reason, rollback, cancel_ttl_s,
+-- cancel_channel, now}) where it joins its conversation's line. `victim_keys` holds a turn key and a
+-- cancel flag key per victim the caller read, in `a.victims`' order. Returns nil (go on) | {'busy', id}
+-- (reject: nothing written) | {'changed'} (the victims are not those the caller read: read again).
+-- An interrupting turn marks and cancels its victims and takes a place before every waiting turn:
+-- interrupting turns are placed at negative scores (their server time less 10^16 µs), so they
+-- keep their own submission order and come before every turn placed by time.
+local function on_busy(line, lease, victim_keys, a)
+  if type(a.on_busy) ~= 'string' or a.on_busy == '' or a.on_busy == 'enqueue' then return nil end
+  local busy = busy_with(line, lease, a.turn_id)
+  if not busy then return nil end
+  if a.on_busy == 'reject' then return {'busy', busy} end
+  local victims = busy_victims(line, lease, a.turn_id)
+  local named = type(a.victims) == 'table' and a.victims or {}
+  if #victims ~= #named then return {'changed'} end
+  for i, id in ipairs(victims) do
+    if named[i] ~= id then return {'changed'} end
+  end
+  for i, id in ipairs(victims) do
+    local turn, flag = victim_keys[2 * i - 1], victim_keys[2 * i]
+    if raise_cancel(flag, turn, id, a.reason, a.cancel_ttl_s, a.cancel_channel, a.now) then
+      redis.call('HSET', turn, 'interrupted_by', a.turn_id)
+      if a.rollback then redis.call('HSET', turn, 'rollback', '1') end
+    end
+  end
+  local score = tonumber(redis.call('ZSCORE', line, a.turn_id) or '0')
+  if score >= 0 then
+    local t = redis.call('TIME')
+    redis.call('ZADD', line, string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]) - 1e16), a.turn_id)
+  end
+  return nil
+end

@@ -10,6 +10,7 @@ import structlog
 from dramatiq.middleware import CurrentMessage
 
 from threadline.pipeline import events
+from threadline.pipeline.busy import DEFAULT_ON_BUSY, OnBusy, busy_error
 from threadline.pipeline.contracts import (
     Envelope,
     TurnRequest,
@@ -75,7 +76,16 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
     _, _, wake = build_message(stage.queue, stage.name, (req.model_dump(mode="json", by_alias=True),),
                                message_id=WAKE_ID, now_ms=message.message_timestamp)
     admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake, tenant_id=req.tenant_id,
-                                            creates=req.conversation_id is None)
+                                            creates=req.conversation_id is None,
+                                            on_busy=await _on_busy(rt, req, resolved))
+    if admission == "busy":
+        # `on_busy: reject` in a busy conversation: nothing of it was written
+        busy = busy_error(cid, ahead)
+        await rt.end_turn(turn_id, "failed", code=busy.code, message=busy.message, conversation_id=cid)
+        return
+    if admission == "changed":
+        # turns kept arriving between the read of the interrupted ones and the script: try again later
+        raise RuntimeError(f"the turns in the way of turn {turn_id} kept changing")
     if admission == "refused":
         # the conversation changed under the turn since it was checked: the script's check is the last word
         error = refusal_error(cast(Refusal, ahead), turn_id=turn_id, conversation_id=cid)
@@ -83,7 +93,8 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         return
     if admission == "cancelled":
         await rt.end_turn(turn_id, "cancelled", code="cancelled", conversation_id=cid,
-                          message=f"cancelled before {stage.name}: the turn never started")
+                          message=await rt.store.cancel_reason(turn_id)
+                          or f"cancelled before {stage.name}: the turn never started")
     if admission != "admitted":
         log.info("turn_not_admitted", admission=admission, behind=ahead)
         return
@@ -117,6 +128,19 @@ async def _refuse(rt: Runtime, stage: Stage, turn_id: str, request: object, erro
             log.warning("duplicate_refused", code=error.code, turn_status=state.status)
             return
     await rt.end_turn(turn_id, "failed", code=error.code, message=error.message, conversation_id=conversation_id)
+
+
+async def _on_busy(rt: Runtime, req: TurnRequest, resolved: ResolvedTurn | None) -> OnBusy:
+    """The turn's `on_busy` policy: its request's, else its agent's (the config it would run with)."""
+    if req.on_busy is not None:
+        return req.on_busy
+    if resolved is not None:
+        return resolved.config.on_busy
+    try:  # its conversation does not exist yet: the agent's current config says
+        config, _ = await rt.store.load_config(req.agent_id, choose_config(req, None))
+    except ThreadlineError:
+        return DEFAULT_ON_BUSY  # the turn fails for that reason when it runs
+    return config.on_busy
 
 
 async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool) -> ResolvedTurn | None:

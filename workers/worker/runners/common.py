@@ -56,7 +56,8 @@ async def stopped(rt: Runtime, begin: Begin, turn_id: str, stage: Stage) -> bool
     if begin.status == "go":
         return False
     if begin.status == "cancelled":
-        await rt.end_turn(turn_id, "cancelled", code="cancelled", message=f"cancelled before {stage.name}")
+        await rt.end_turn(turn_id, "cancelled", code="cancelled",
+                          message=await rt.store.cancel_reason(turn_id) or f"cancelled before {stage.name}")
     elif begin.status == "timed_out":
         await rt.end_turn(turn_id, "timed_out", code="timed_out", message=f"deadline passed before {stage.name}")
     else:

@@ -44,7 +44,7 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
     result = await rt.store.finish(
         Finish(turn_id=env.turn_id, event=terminal, conversation_id=turn.conversation_id, message=row,
                snapshot=outcome.snapshot, pending_tool_calls=outcome.pending_tool_calls, fence=s.begin.fence,
-               tenant_id=turn.tenant_id, before=[finished_event(s, stage)]),
+               tenant_id=turn.tenant_id, before=[finished_event(s, stage)], webhook_url=turn.webhook_url or ""),
         now=rt.now(),
     )
     if result in REFUSALS:

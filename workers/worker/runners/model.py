@@ -15,6 +15,7 @@ from threadline.pipeline import events
 from threadline.pipeline.contracts import (
     Envelope,
 )
+from threadline.pipeline.cost import LocalCount, local_count
 from threadline.pipeline.errors import ThreadlineError
 from threadline.pipeline.guards import stream_guard
 from threadline.pipeline.history import decode_messages
@@ -22,13 +23,16 @@ from threadline.pipeline.invoke import (
     answer_without_model,
     invoke_decision,
     retry_delay_s,
+    run_instructions,
     run_turn,
 )
+from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.stages import Stage
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
 from threadline.workers.storage.turns import Next
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.limiter import limited_model, turn_limiter
+from threadline.workers.worker.providers import build_tools
 from threadline.workers.worker.runners.common import (
     Started,
     envelope_of,
@@ -37,6 +41,7 @@ from threadline.workers.worker.runners.common import (
 )
 from threadline.workers.worker.runtime import Runtime
 from threadline.workers.worker.stream import TurnStream
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -113,12 +118,14 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
         outcome = await run_turn(turn, history, agent=agent, attempt=attempt, stream=stream, token=token,
                                  clock=rt.now, timeout_s=deadline_at - rt.now(), max_chars=rt.settings.max_text_chars,
                                  secrets=rt.secrets(spec),
-                                 model=limited_model(agent, limiter))
+                                 model=limited_model(agent, limiter), local=_local_count(rt, turn))
     log.info("invoked", status=outcome.status, code=outcome.code, usage=outcome.usage.model_dump(),
              truncated_parts=outcome.truncated_parts, model=outcome.model, fallback_from=outcome.fallback_from)
     if outcome.status == "cancelled" and rt.handing_over(turn_id):
         await _hand_back(rt, stage, s)
         return
+    if outcome.status == "cancelled":  # the reason the canceller gave (`cancel(turn_id, reason)`) ends it
+        outcome = outcome.model_copy(update={"message": await rt.store.cancel_reason(turn_id) or outcome.message})
     # attempts a stopping worker handed over are not failed ones
     delay_s = retry_delay_s(outcome, attempt=attempt - s.begin.handovers, max_attempts=rt.settings.max_invoke_attempts)
     if delay_s is None:
@@ -132,6 +139,17 @@ async def _call_model(rt: Runtime, stage: Stage, s: Started, token: Cancellation
                          event=events.Retrying(turn_id=turn_id, attempt=attempt + 1, reason=reason),
                          claim=rt.worker_id)
     log.info("model_retry_scheduled", delay_s=delay_s, reason=reason)
+
+
+def _local_count(rt: Runtime, turn: ResolvedTurn) -> LocalCount | None:
+    """How the usage of an offline model is counted (its own is a guess): with the agent's tokenizer,
+    what the history stage counts with; None when no model of the chain is offline."""
+    spec = turn.config.model
+    if not any(m.provider == "offline" for m in spec.chain()):
+        return None
+    tokenizer = rt.counter(spec).tokenizer or load_tokenizer(None, spec.provider)
+    tools = build_tools(turn.config.tools, allow_python=rt.settings.allow_python_models)
+    return local_count(tokenizer, instructions=run_instructions(turn), tools=[t.tool_def for t in tools])
 
 
 async def _hand_back(rt: Runtime, stage: Stage, s: Started) -> None:
