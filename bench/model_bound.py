@@ -141,14 +141,18 @@ def _event(fields: dict[bytes, bytes]) -> dict[str, Any]:
 
 
 def pick_cancels(system: ThreadlineSystem, ids: Sequence[str], count: int) -> tuple[list[str], list[str]]:
-    """Up to `count // 2` turns whose text streams and as many that no stage has started yet."""
+    """Up to `count // 2` turns whose text streams and as many whose model call has not started (in
+    a queue: the invoke stage's, usually)."""
     streaming, queued = [], []
     want = count // 2
     for turn_id in random.sample(list(ids), len(ids)):
-        kinds = {_event(f).get("type") for _, f in system.client.redis.xrange(system.client.keys.events(turn_id))}
-        if "text_delta" in kinds and not kinds & TERMINAL_TYPES and len(streaming) < want:
+        seen = [_event(f) for _, f in system.client.redis.xrange(system.client.keys.events(turn_id))]
+        kinds = {e.get("type") for e in seen}
+        if kinds & TERMINAL_TYPES:
+            continue
+        if "text_delta" in kinds and len(streaming) < want:
             streaming.append(turn_id)
-        elif "stage" not in kinds and not kinds & TERMINAL_TYPES and len(queued) < count - want:
+        elif not any(e.get("stage") == "invoke" for e in seen) and len(queued) < count - want:
             queued.append(turn_id)
         if len(streaming) >= want and len(queued) >= count - want:
             break

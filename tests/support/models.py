@@ -57,7 +57,7 @@ def streaming(options: dict[str, Any]) -> FunctionModel:
         _record(options, {"event": "request"})
         try:
             for i in range(words):
-                if until and Path(until).exists():
+                if i and until and Path(until).exists():  # a word at least: a stream of none fails
                     break
                 chunk = f"w{i} "
                 _record(options, {"event": "chunk", "text": chunk})

@@ -21,6 +21,11 @@ pytestmark = pytest.mark.integration
 ALL_QUEUES = (*DEFAULT_GRAPH.names, "control")
 
 
+def served_unacked(client: Client, queue: str) -> bool:
+    """Whether a worker holds a message of `queue` it has not acknowledged."""
+    return any(client.redis.scard(key) for key in client.redis.scan_iter(client.keys.acks("*", queue)))
+
+
 def flag_raised(client: Client, turn_id: str) -> Callable[[], bool]:
     return lambda: bool(client.redis.exists(client.keys.cancel_flag(turn_id)))
 
@@ -44,8 +49,9 @@ def test_cancel_before_the_turn_is_enqueued_wins(workers: WorkerPool, client: Cl
 def test_a_turn_cancelled_while_queued_for_a_stage_never_reaches_the_model(
     stage: str, isolated: Callable[[], WorkerPool], tmp_path: Path
 ) -> None:
-    """The turn waits in `stage`'s queue (nobody serves it yet) when the cancel arrives; once a
-    worker serves that queue, the turn ends `cancelled` there, before any model call."""
+    """The turn waits in `stage`'s queue (nobody serves it yet) when the cancel arrives. Admitted, it
+    ends `cancelled` at once (the control actor ends it), and its message is dropped once a worker
+    serves that queue; not admitted yet (`resolve`), it ends there. No model call either way."""
     without = isolated().start(processes=1, queues=tuple(q for q in ALL_QUEUES if q != stage))
     client = Client(without.url, prefix=without.prefix)
     record = tmp_path / "calls.jsonl"
@@ -57,12 +63,15 @@ def test_a_turn_cancelled_while_queued_for_a_stage_never_reaches_the_model(
         wait_until(lambda: any(isinstance(e, ev.StageEvent) and e.stage == previous and e.status == "finished"
                                for e in client.events(turn_id)))
     client.cancel(turn_id, "stop")
-    wait_until(flag_raised(client, turn_id))
-
-    isolated().start(processes=1, queues=(stage,))  # now someone serves the stage
+    if stage == "resolve":  # only the admit stage knows the conversation of a turn not admitted yet
+        wait_until(flag_raised(client, turn_id))
+        isolated().start(processes=1, queues=(stage,))
     terminal = client.wait(turn_id, timeout_s=20)
     assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
-    assert stage in terminal.message
+    assert terminal.message == "stop"  # the cancel's reason
+    if stage != "resolve":
+        isolated().start(processes=1, queues=(stage,))  # its message: dropped as a no-op
+        wait_until(lambda: client.redis.llen(client.keys.queue(stage)) == 0 and not served_unacked(client, stage))
     assert not records(record), "no model call"
     assert_one_terminal(client, turn_id)
     # a turn cancelled after it was accepted names its conversation; before, none was made
@@ -151,3 +160,37 @@ def test_a_missed_notification_is_caught_by_the_flag_poll(
     calls = records(record)
     assert [r["event"] for r in calls].count("request") == 1
     assert calls[-1]["event"] == "closed" and len([r for r in calls if r["event"] == "chunk"]) < words
+
+
+def test_a_turn_queued_behind_busy_model_calls_ends_at_once_and_its_conversation_goes_on(
+    isolated: Callable[..., WorkerPool], tmp_path: Path
+) -> None:
+    """One model call at a time (`TL_INVOKE_PREFETCH=1`), held open: the next turn waits in the
+    invoke queue. Its cancel ends it while the held call still runs (not when a worker reaches its
+    message), the turn after it in its conversation is admitted, and the dropped message calls no model."""
+    pool = isolated({"TL_INVOKE_PREFETCH": "1"}).start(processes=1, threads=4)
+    client = Client(pool.url, prefix=pool.prefix)
+    release, record = tmp_path / "release", tmp_path / "calls.jsonl"
+    agent = f"agent-{uuid.uuid4().hex[:8]}"
+    client.put_agent(AgentConfig.model_validate({"id": agent, "model": python_model(
+        "streaming", words=100_000, delay_ms=20, until=str(release), record=str(record))}))
+    holding = client.submit(turn(agent, "hold the slot"))
+    wait_for_event(client, holding, "text_delta")
+    queued = client.submit(turn(agent, "wait behind it"))
+    wait_until(lambda: any(isinstance(e, ev.StageEvent) and e.stage == "map" and e.status == "finished"
+                           for e in client.events(queued)))
+    after = client.submit(turn(agent, "and then", conversation_id=client.turn_state(queued).conversation_id))
+    wait_until(lambda: client.turn_state(after).status == "waiting")
+
+    client.cancel(queued, "not needed")
+    cancelled = client.wait(queued, timeout_s=20)
+    assert isinstance(cancelled, ev.Cancelled) and cancelled.message == "not needed", cancelled
+    assert client.turn_state(holding).status == "running", "ended while the held call still ran"
+    wait_until(lambda: client.turn_state(after).status == "running")  # its conversation's next turn goes on
+
+    release.touch()
+    assert isinstance(client.wait(holding, timeout_s=30), ev.Succeeded)
+    assert isinstance(client.wait(after, timeout_s=30), ev.Succeeded)
+    assert_one_terminal(client, queued)
+    assert len([r for r in records(record) if r["event"] == "request"]) == 2, "no model call for the cancelled turn"
+    client.close()

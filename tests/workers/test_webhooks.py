@@ -28,6 +28,7 @@ from threadline.pipeline import webhooks
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import parse_turn_request
 from threadline.pipeline.errors import InvalidRequest
+from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
 from threadline.workers.gateway.tenancy import inside
 from threadline.workers.protocol.keys import Keys
@@ -257,3 +258,22 @@ def test_the_cli_refuses_a_key_with_a_bad_webhook_url_and_rotates_a_secret(
     assert rotated.startswith("whsec_") and rotated != first
     with Client(redis_url, prefix=prefix) as client:
         assert client.webhook_secret(tenant) == rotated
+
+
+def test_submit_takes_a_webhook_url_and_refuses_a_bad_one_writing_nothing(
+        redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    cli_env(monkeypatch, redis_url=redis_url, prefix=prefix, data_dir=tmp_path)
+    run = cli_runner(capsys, verb=("submit",))
+    with Client(redis_url, prefix=prefix) as client:
+        client.put_agent(AgentConfig.model_validate({"id": "hooked", "model": "offline:echo"}))
+        r = client.redis
+        before = sorted(r.scan_iter(f"{prefix}:*", count=1000))
+        refused = run("--agent", "hooked", "--query", "hi", "--webhook-url", "ftp://example.com/")
+        assert refused.code == 2 and "webhook_url" in refused.one_line() and not refused.out
+        assert sorted(r.scan_iter(f"{prefix}:*", count=1000)) == before
+        taken = run("--agent", "hooked", "--query", "hi", "--webhook-url", "https://hooks.example.com/t")
+        assert taken.code == 0, taken.err
+        turn_id = taken.out.split()[0]
+        (queued,) = [m for m in r.hvals(client.keys.queue_messages(DEFAULT_GRAPH.first.queue)) if turn_id.encode() in m]
+        assert json.loads(queued)["args"][0]["webhook_url"] == "https://hooks.example.com/t"

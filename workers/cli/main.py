@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from threadline.pipeline.busy import ON_BUSY_POLICIES
 from threadline.pipeline.errors import AgentNotFound, ConversationNotFound, ThreadlineError
 from threadline.pipeline.redact import redact
 from threadline.workers.cli.agents import add_agents_parser
@@ -108,10 +109,12 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--parent", dest="parent_message_id", metavar="MESSAGE_ID",
                         help="answer after this message of the conversation instead of its tip: a branch "
                              "(`threadline thread --tree` shows the message ids)")
-    submit.add_argument("--on-busy", dest="on_busy", choices=("enqueue", "reject", "interrupt", "rollback"),
+    submit.add_argument("--on-busy", dest="on_busy", choices=ON_BUSY_POLICIES,
                         help="when a turn of the conversation runs or waits: wait in line, refuse this one "
                              f"(exit {EXIT_BUSY}), or cancel the running one and answer this instead (rollback: "
                              "and drop its message); default: the agent's on_busy")
+    submit.add_argument("--webhook-url", dest="webhook_url", metavar="URL",
+                        help="POST the turn's terminal event here, signed, once it ends (docs/webhooks.md)")
     submit.add_argument("--follow", action="store_true", help="print the turn's events until it ends")
     submit.add_argument("--json", action="store_true", help="print JSON (with --follow: one event per line)")
     submit.add_argument("--timeout", type=seconds, default=None,

@@ -45,7 +45,7 @@ def _request_from_args(args: argparse.Namespace) -> dict[str, Any]:
             raise Exit(EXIT_BAD_INPUT, f"{args.file}: a turn request is a JSON object")
     flags = {"tenant_id": args.tenant, "app_id": args.app, "user_id": args.user, "agent_id": args.agent,
              "conversation_id": args.conversation, "query": args.query, "turn_id": args.turn_id,
-             "parent_message_id": args.parent_message_id, "on_busy": args.on_busy}
+             "parent_message_id": args.parent_message_id, "on_busy": args.on_busy, "webhook_url": args.webhook_url}
     request.update({k: v for k, v in flags.items() if v is not None})
     for name, default in (("tenant_id", "demo"), ("app_id", "demo"), ("user_id", "demo")):
         request.setdefault(name, default)

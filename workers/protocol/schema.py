@@ -78,6 +78,8 @@ class TurnState:
     #: "" (unknown), "waiting", "running", or a terminal type.
     status: str = ""
     stage: str = ""
+    #: The worker running one of its stages now ("" between stages: waiting in a stage's queue).
+    holder: str = ""
     attempt: int = 1
     conversation_id: str = ""
     #: Set once the turn was accepted (its message row exists).
@@ -93,6 +95,7 @@ class TurnState:
         return cls(
             status=data.get("status", ""),
             stage=data.get("stage", ""),
+            holder=data.get("holder", ""),
             attempt=int(data.get("attempt", "1")),
             conversation_id=data.get("conversation_id", ""),
             message_id=data.get("message_id", ""),

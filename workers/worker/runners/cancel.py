@@ -11,7 +11,9 @@ from dramatiq.middleware import CurrentMessage
 from threadline.pipeline.contracts import (
     valid_turn_id,
 )
+from threadline.pipeline.stages import StageGraph
 from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
+from threadline.workers.protocol.schema import TurnState
 from threadline.workers.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -33,5 +35,17 @@ async def run_cancel(rt: Runtime, turn_id: object, reason: object = "") -> None:
         log.info("cancel_noop", reason="the turn has already finished", status=status)
     elif status == "waiting":
         await rt.end_turn(tid, "cancelled", code="cancelled", message=reason[:1000] or "cancelled while waiting")
+    elif status == "running" and queued_before_its_model(rt.graph, await rt.store.turn_state(tid)):
+        # its next stage would refuse it anyway (the flag is up), but only once a worker reaches its
+        # message, seconds away behind a backlog: end it now; that message is then dropped as a no-op
+        await rt.end_turn(tid, "cancelled", code="cancelled", message=reason[:1000] or "cancelled while queued")
     else:
         log.info("cancel_signalled", status=status)
+
+
+def queued_before_its_model(graph: StageGraph, state: TurnState) -> bool:
+    """An admitted turn that no worker runs a stage of now (between stages, or waiting to retry its
+    model call) and whose model has not answered: a cancel ends it at once. One whose model answered
+    is left to its finish stage, which a cancel does not stop (the answer is kept)."""
+    models = {stage.name for stage in graph if stage.kind == "model"}
+    return state.status == "running" and not state.holder and not state.done & models
