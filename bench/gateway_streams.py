@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from tests.support.gateway import gateway_connections
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
@@ -90,16 +91,6 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-def gateway_connections(r: redis.Redis, pid: int) -> dict[str, int]:
-    mine = f"tl-gateway:{pid}:"
-    kinds: dict[str, int] = {}
-    for entry in r.client_list():
-        name = str(entry.get("name", ""))
-        if name.startswith(mine):
-            kinds[name.removeprefix(mine)] = kinds.get(name.removeprefix(mine), 0) + 1
-    return kinds
 
 
 async def probe(http: httpx.AsyncClient, other: str, seconds: float, codes: list[int], times: list[float],

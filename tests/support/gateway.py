@@ -6,6 +6,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import redis
 import uvicorn
 
 from tests.support.local_http import free_port
@@ -28,3 +29,15 @@ def running_gateway(settings: Settings, url: str) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def gateway_connections(r: redis.Redis, pid: int) -> dict[str, int]:
+    """The Redis connections of the gateway running in process `pid`, by kind (requests, health,
+    streams), from the names it gives them in CLIENT LIST."""
+    mine = f"tl-gateway:{pid}:"
+    kinds: dict[str, int] = {}
+    for entry in r.client_list():
+        name = str(entry.get("name", ""))
+        if name.startswith(mine):
+            kinds[name.removeprefix(mine)] = kinds.get(name.removeprefix(mine), 0) + 1
+    return kinds

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from tests.conftest import WorkerPool, drop_prefix
-from tests.support.gateway import running_gateway
+from tests.support.gateway import gateway_connections, running_gateway
 from tests.support.wait import wait_until
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
@@ -47,17 +47,6 @@ class Front:
         """A turn of `tenant` that stays open: on this prefix no worker ever admits it."""
         request = {"tenant_id": tenant, "app_id": "app", "user_id": "u1", "agent_id": "nobody", "query": "wait"}
         return str(self.client.start(request, owner=tenant))
-
-
-def gateway_connections(r: redis.Redis) -> dict[str, int]:
-    """The gateway's Redis connections (it runs in this process) by kind: requests, health, streams."""
-    mine = f"tl-gateway:{os.getpid()}:"
-    kinds: dict[str, int] = {}
-    for entry in r.client_list():
-        name = str(entry.get("name", ""))
-        if name.startswith(mine):
-            kinds[name.removeprefix(mine)] = kinds.get(name.removeprefix(mine), 0) + 1
-    return kinds
 
 
 @pytest.fixture
@@ -116,8 +105,8 @@ async def test_healthz_and_other_tenants_answer_while_many_streams_are_open(fron
         # one connection reads every stream; the rest is the sized pools, not one per stream
         # (polled: a health connection replaced after a socket timeout lingers in CLIENT LIST a moment)
         bound = Settings.from_env({}).gateway_pool + 3
-        wait_until(lambda: sum(gateway_connections(r).values()) <= bound)
-        kinds = gateway_connections(r)
+        wait_until(lambda: sum(gateway_connections(r, os.getpid()).values()) <= bound)
+        kinds = gateway_connections(r, os.getpid())  # the gateway runs in this process
         assert kinds.get("streams") == 1, kinds
         assert sum(kinds.values()) <= bound, kinds
         assert not any(s.is_closed for s in streams)
