@@ -22,6 +22,7 @@ from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.cli import cli_env, cli_runner
 from tests.support.gateway import running_gateway
 from tests.support.script_driver import LAST, make_turn
+from tests.support.turns import python_model
 from tests.support.wait import poll, wait_until
 from tests.support.webhook_receiver import WebhookReceiver
 from threadline.pipeline import webhooks
@@ -277,3 +278,30 @@ def test_submit_takes_a_webhook_url_and_refuses_a_bad_one_writing_nothing(
         turn_id = taken.out.split()[0]
         (queued,) = [m for m in r.hvals(client.keys.queue_messages(DEFAULT_GRAPH.first.queue)) if turn_id.encode() in m]
         assert json.loads(queued)["args"][0]["webhook_url"] == "https://hooks.example.com/t"
+
+
+@pytest.mark.integration
+def test_a_turn_ended_before_it_was_accepted_reaches_its_webhook(
+        isolated: Callable[..., WorkerPool], redis_url: str, tmp_path: Path) -> None:
+    """Cancelled while waiting in its conversation's line, a turn never accepted still has its
+    terminal event POSTed to the URL its request named."""
+    pool = isolated({"TL_WEBHOOK_HOSTS": "all", "TL_DELAY_POLL_MS": "100"}).start(processes=1, threads=4)
+    client = Client(redis_url, prefix=pool.prefix)
+    release = tmp_path / "release"
+    agent = f"slow-{uuid.uuid4().hex[:8]}"
+    client.put_agent(AgentConfig.model_validate({"id": agent, "model": python_model(
+        "streaming", words=100_000, delay_ms=20, until=str(release))}))
+    with WebhookReceiver() as receiver:
+        running = client.start(turn(agent, "hold the conversation"))
+        wait_until(lambda: client.turn_state(str(running)).status == "running")
+        cid = client.turn_state(str(running)).conversation_id
+        waiting = client.start(turn(agent, "wait", conversation_id=cid, webhook_url=receiver.url))
+        wait_until(lambda: client.turn_state(str(waiting)).status == "waiting")
+        client.cancel(str(waiting), "not needed")
+        assert client.wait(str(waiting), timeout_s=30).type == "cancelled"
+        wait_until(lambda: receiver.delivered() == [str(waiting)], timeout_s=30)
+        body = json.loads(receiver.attempts(str(waiting))[-1].body)
+        assert body["event"]["type"] == "cancelled" and body["event"]["message"] == "not needed"
+        release.touch()
+        assert client.wait(str(running), timeout_s=30).type == "succeeded"
+    client.close()

@@ -143,9 +143,13 @@ class Runtime:
         message: str,
         resolved: ResolvedTurn | None = None,
         conversation_id: str | None = None,
+        webhook_url: str | None = None,
+        tenant_id: str = "",
     ) -> str:
         """End a turn that will not reach its finish stage: its terminal event, its message row if
-        it was accepted, the conversation released. Stored history stays as it was."""
+        it was accepted, the conversation released. Stored history stays as it was. The terminal
+        event goes to the accepted turn's webhook; to `webhook_url` (a URL of `tenant_id`'s) for a
+        turn that was not accepted, when the caller knows one."""
         state = await self.store.turn_state(turn_id)
         if resolved is None and state.message_id:
             raw = await self.store.artifact(turn_id, self.graph.first.name)
@@ -163,8 +167,8 @@ class Runtime:
                 conversation_id=state.conversation_id or conversation_id or "",
                 message=final_row(accepted, status=status, now=self.now(), code=code) if accepted else None,
                 fence=state.fence,
-                tenant_id=accepted.tenant_id if accepted else "",
-                webhook_url=(accepted.webhook_url or "") if accepted else "",
+                tenant_id=accepted.tenant_id if accepted else tenant_id,
+                webhook_url=(accepted.webhook_url or "") if accepted else (webhook_url or "") if tenant_id else "",
             ),
             now=self.now(),
         )

@@ -75,13 +75,16 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         return
     _, _, wake = build_message(stage.queue, stage.name, (req.model_dump(mode="json", by_alias=True),),
                                message_id=WAKE_ID, now_ms=message.message_timestamp)
+    # a turn that ends here, not accepted, still reaches its webhook (the request's, else its agent's)
+    url = resolved.webhook_url if resolved is not None else req.webhook_url
     admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake, tenant_id=req.tenant_id,
                                             creates=req.conversation_id is None,
                                             on_busy=await _on_busy(rt, req, resolved))
     if admission == "busy":
         # `on_busy: reject` in a busy conversation: nothing of it was written
         busy = busy_error(cid, ahead)
-        await rt.end_turn(turn_id, "failed", code=busy.code, message=busy.message, conversation_id=cid)
+        await rt.end_turn(turn_id, "failed", code=busy.code, message=busy.message, conversation_id=cid,
+                          webhook_url=url, tenant_id=req.tenant_id)
         return
     if admission == "changed":
         # turns kept arriving between the read of the interrupted ones and the script: try again later
@@ -89,10 +92,12 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
     if admission == "refused":
         # the conversation changed under the turn since it was checked: the script's check is the last word
         error = refusal_error(cast(Refusal, ahead), turn_id=turn_id, conversation_id=cid)
-        await rt.end_turn(turn_id, "failed", code=error.code, message=error.message, conversation_id=cid)
+        await rt.end_turn(turn_id, "failed", code=error.code, message=error.message, conversation_id=cid,
+                          webhook_url=url, tenant_id=req.tenant_id)
         return
     if admission == "cancelled":
         await rt.end_turn(turn_id, "cancelled", code="cancelled", conversation_id=cid,
+                          webhook_url=url, tenant_id=req.tenant_id,
                           message=await rt.store.cancel_reason(turn_id)
                           or f"cancelled before {stage.name}: the turn never started")
     if admission != "admitted":

@@ -34,13 +34,25 @@ async def run_cancel(rt: Runtime, turn_id: object, reason: object = "") -> None:
     if outcome == "noop":
         log.info("cancel_noop", reason="the turn has already finished", status=status)
     elif status == "waiting":
-        await rt.end_turn(tid, "cancelled", code="cancelled", message=reason[:1000] or "cancelled while waiting")
+        url, tenant = await _waiting_webhook(rt, tid)
+        await rt.end_turn(tid, "cancelled", code="cancelled", message=reason[:1000] or "cancelled while waiting",
+                          webhook_url=url, tenant_id=tenant)
     elif status == "running" and queued_before_its_model(rt.graph, await rt.store.turn_state(tid)):
         # its next stage would refuse it anyway (the flag is up), but only once a worker reaches its
         # message, seconds away behind a backlog: end it now; that message is then dropped as a no-op
         await rt.end_turn(tid, "cancelled", code="cancelled", message=reason[:1000] or "cancelled while queued")
     else:
         log.info("cancel_signalled", status=status)
+
+
+async def _waiting_webhook(rt: Runtime, turn_id: str) -> tuple[str | None, str]:
+    """The webhook a waiting turn's request names (checked when it was admitted), with its tenant;
+    none when it names none (an agent's webhook is applied only to turns accepted)."""
+    state = await rt.store.turn_state(turn_id)
+    request = await rt.store.waiting_request(state.conversation_id, turn_id) if state.conversation_id else None
+    if not isinstance(request, dict) or not isinstance(request.get("webhook_url"), str):
+        return None, ""
+    return request["webhook_url"], str(request.get("tenant_id", ""))
 
 
 def queued_before_its_model(graph: StageGraph, state: TurnState) -> bool:
