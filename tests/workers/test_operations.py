@@ -188,11 +188,26 @@ def test_usage_reads_the_tenant_counters(env: OwnPool, run: Any) -> None:
                                "input_tokens": sum(u.input_tokens for u in usages),
                                "output_tokens": sum(u.output_tokens for u in usages), "other": {},
                                "cache_read_tokens": 0, "cache_write_tokens": 0, "cost_usd": 0.0,
-                               "unpriced_turns": 2}
+                               "unpriced_turns": 2, "conversation_id": None}
     assert sum(u.input_tokens for u in usages) > 0
     code, out, _ = run("usage", tenant)
     assert code == 0 and out.startswith(f"tenant {tenant}: 2 turns")
     assert json.loads(run("usage", "nobody", "--json")[1])["turns"] == 0
+
+    # one conversation's turns: its rows summed the same way
+    cid = terminals[0].conversation_id
+    assert cid is not None
+    follow = env.client.wait(env.client.submit(turn(env.agent, "and?", tenant_id=tenant, conversation_id=cid)),
+                             timeout_s=10)
+    assert follow.type == "succeeded"
+    code, out, _ = run("usage", "--conversation", cid, "--json")
+    mine = json.loads(out)
+    assert code == 0 and (mine["conversation_id"], mine["tenant_id"], mine["turns"]) == (cid, tenant, 2)
+    assert mine["input_tokens"] == usages[0].input_tokens + follow.usage.input_tokens
+    assert mine["output_tokens"] == usages[0].output_tokens + follow.usage.output_tokens
+    assert run("usage", "--conversation", cid)[1].startswith(f"conversation {cid} (tenant {tenant}): 2 turns")
+    assert run("usage", "--conversation", "c-nosuch")[0] == 3
+    assert run("usage")[0] == 2 and run("usage", tenant, "--conversation", cid)[0] == 2
 
 
 def test_workers_alive_and_queue_consumers_come_from_the_heartbeat_keys(redis_url: str) -> None:

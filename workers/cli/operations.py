@@ -120,7 +120,9 @@ def render_dead_letter(found: DeadLetterBody) -> list[str]:
 
 
 def render_usage(usage: TenantUsage) -> list[str]:
-    lines = [f"tenant {usage.tenant_id}: {usage.turns} turns, {usage.requests} model requests, "
+    scope = f"conversation {usage.conversation_id} (tenant {usage.tenant_id})" if usage.conversation_id \
+        else f"tenant {usage.tenant_id}"
+    lines = [f"{scope}: {usage.turns} turns, {usage.requests} model requests, "
              f"{usage.input_tokens} input tokens ({usage.cache_read_tokens} read from cache, "
              f"{usage.cache_write_tokens} written to it), {usage.output_tokens} output tokens",
              f"  cost: {render_cost(usage.cost_usd, usage.unpriced_turns)}"]
@@ -188,7 +190,21 @@ def cmd_purge(args: argparse.Namespace, ops: Operations, settings: Settings) -> 
 
 
 def cmd_usage(args: argparse.Namespace, ops: Operations, settings: Settings) -> int:
-    usage = ops.usage(args.tenant)
+    from threadline.workers.cli.common import EXIT_BAD_INPUT, EXIT_NOT_FOUND, Exit, producer
+
+    if (args.tenant is None) == (args.conversation is None):
+        raise Exit(EXIT_BAD_INPUT, "usage: name a tenant, or --conversation ID (not both)")
+    if args.tenant is not None:
+        usage = ops.usage(args.tenant)
+    else:
+        from threadline.workers.operations.status import usage_of
+
+        with producer(settings) as client:
+            record = client.conversation(args.conversation)
+            if record is None:
+                raise Exit(EXIT_NOT_FOUND, f"no conversation {args.conversation}")
+            usage = usage_of(record.tenant_id, client.conversation_usage(args.conversation),
+                             conversation_id=args.conversation)
     _print(usage, lambda: render_usage(usage), as_json=args.json)
     return 0
 
@@ -224,7 +240,8 @@ def add_operations_parser(sub: Any) -> None:
     purge.add_argument("--yes", action="store_true", help="really delete")
     purge.set_defaults(func=command(cmd_purge))
 
-    usage = sub.add_parser("usage", help="a tenant's usage counters: turns, requests, tokens")
-    usage.add_argument("tenant", help="the tenant id")
+    usage = sub.add_parser("usage", help="a tenant's (or a conversation's) usage: turns, requests, tokens, cost")
+    usage.add_argument("tenant", nargs="?", help="the tenant id")
+    usage.add_argument("--conversation", metavar="ID", help="instead: one conversation's turns, all its branches")
     usage.add_argument("--json", **as_json)
     usage.set_defaults(func=command(cmd_usage))

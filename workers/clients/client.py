@@ -421,6 +421,18 @@ class Client:
         rows = self.redis.hvals(self.keys.messages(conversation_id))
         return sorted((MessageRecord.model_validate_json(r) for r in rows), key=lambda m: m.created_at)
 
+    def conversation_usage(self, conversation_id: str) -> dict[str, int]:
+        """What every turn of a conversation used, all its branches: its message rows' usage summed
+        into the counters a tenant's usage holds (`pipeline.cost.usage_counters`, the cost in
+        millionths of a dollar) and `turns`. A conversation with no message row sums to nothing."""
+        from threadline.pipeline.cost import usage_counters
+
+        totals: dict[str, int] = {}
+        for row in self.messages(conversation_id):
+            for name, count in {**usage_counters(row.usage), "turns": 1}.items():
+                totals[name] = totals.get(name, 0) + count
+        return totals
+
     def thread(self, conversation_id: str, message_id: str | None = None) -> list[MessageRecord]:
         """The path root → `message_id` (default: the tip), oldest first."""
         from threadline.pipeline.history import extract_thread

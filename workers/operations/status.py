@@ -123,6 +123,8 @@ class TenantUsage:
     unpriced_turns: int = 0
     #: Any other counter the hash holds (a newer worker's).
     other: Mapping[str, int] = field(default_factory=dict)
+    #: Set when these are one conversation's counters (of its tenant), not the whole tenant's.
+    conversation_id: str | None = None
 
 
 class Operations:
@@ -276,13 +278,18 @@ class Operations:
     # --- usage ---------------------------------------------------------------------------------
 
     def usage(self, tenant_id: str) -> TenantUsage:
-        counters = {text(k): int(v) for k, v in self.redis.hgetall(self.keys.usage(tenant_id)).items()}
-        return TenantUsage(tenant_id, input_tokens=counters.pop("input_tokens", 0),
-                           output_tokens=counters.pop("output_tokens", 0), requests=counters.pop("requests", 0),
-                           turns=counters.pop("turns", 0), cache_read_tokens=counters.pop("cache_read_tokens", 0),
-                           cache_write_tokens=counters.pop("cache_write_tokens", 0),
-                           cost_usd=counters.pop("cost_micro_usd", 0) / 1_000_000,
-                           unpriced_turns=counters.pop("unpriced_turns", 0), other=counters)
+        return usage_of(tenant_id, {text(k): int(v) for k, v in self.redis.hgetall(self.keys.usage(tenant_id)).items()})
+
+
+def usage_of(tenant_id: str, counters: Mapping[str, int], *, conversation_id: str | None = None) -> TenantUsage:
+    """Usage counters (a tenant's hash, or a conversation's rows summed the same way) read."""
+    rest = dict(counters)
+    return TenantUsage(tenant_id, input_tokens=rest.pop("input_tokens", 0), output_tokens=rest.pop("output_tokens", 0),
+                       requests=rest.pop("requests", 0), turns=rest.pop("turns", 0),
+                       cache_read_tokens=rest.pop("cache_read_tokens", 0),
+                       cache_write_tokens=rest.pop("cache_write_tokens", 0),
+                       cost_usd=rest.pop("cost_micro_usd", 0) / 1_000_000,
+                       unpriced_turns=rest.pop("unpriced_turns", 0), other=rest, conversation_id=conversation_id)
 
 
 def _scored(reply: Any) -> list[tuple[str, float]]:
