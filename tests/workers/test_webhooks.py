@@ -6,6 +6,7 @@ attempts recorded and retried by the CLI; private hosts refused by default; a ba
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -30,6 +31,7 @@ from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import parse_turn_request
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.clients.async_client import AsyncClient
 from threadline.workers.clients.client import Client
 from threadline.workers.gateway.tenancy import inside
 from threadline.workers.protocol.keys import Keys
@@ -259,6 +261,12 @@ def test_the_cli_refuses_a_key_with_a_bad_webhook_url_and_rotates_a_secret(
     assert rotated.startswith("whsec_") and rotated != first
     with Client(redis_url, prefix=prefix) as client:
         assert client.webhook_secret(tenant) == rotated
+
+    async def from_async() -> str:
+        async with AsyncClient(redis_url, prefix=prefix) as client:
+            return await client.webhook_secret(tenant)
+
+    assert asyncio.run(from_async()) == rotated
 
 
 def test_submit_takes_a_webhook_url_and_refuses_a_bad_one_writing_nothing(

@@ -125,6 +125,12 @@ class AsyncClient:
     async def close(self) -> None:
         await self.redis.aclose()
 
+    async def webhook_secret(self, tenant_id: str, *, rotate: bool = False) -> str:
+        """`Client.webhook_secret`: the tenant's webhook signing secret (docs/webhooks.md)."""
+        from threadline.workers.storage.webhooks import async_webhook_secret
+
+        return await async_webhook_secret(self.redis, self.keys, tenant_id, rotate=rotate)
+
     async def __aenter__(self) -> AsyncClient:
         return self
 

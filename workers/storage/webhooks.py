@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import redis
+import redis.asyncio as aioredis
 
 from threadline.pipeline.webhooks import DeliveryJob, DeliveryStatus
 from threadline.workers.protocol.keys import Keys
@@ -68,6 +69,18 @@ def sync_webhook_secret(client: redis.Redis, keys: Keys, tenant_id: str, *, rota
         return fresh
     client.set(key, fresh, nx=True)
     return text(cast(bytes, client.get(key)))
+
+
+async def async_webhook_secret(client: aioredis.Redis, keys: Keys, tenant_id: str, *, rotate: bool = False) -> str:
+    """The tenant's signing secret, created on first use; `rotate` replaces it (deliveries signed
+    from then on use the new one). For the store and the `AsyncClient`."""
+    key = keys.webhook_secret(tenant_id)
+    fresh = new_secret()
+    if rotate:
+        await client.set(key, fresh)
+        return fresh
+    await client.set(key, fresh, nx=True)
+    return text(cast(bytes, await client.get(key)))
 
 
 class WebhookStore(StoreBase):
@@ -130,15 +143,7 @@ class WebhookStore(StoreBase):
         return cast(RetryWrite, text(reply))
 
     async def webhook_secret(self, tenant_id: str, *, rotate: bool = False) -> str:
-        """The tenant's signing secret, created on first use; `rotate` replaces it (deliveries signed
-        from then on use the new one)."""
-        key = self.keys.webhook_secret(tenant_id)
-        fresh = new_secret()
-        if rotate:
-            await self.redis.set(key, fresh)
-            return fresh
-        await self.redis.set(key, fresh, nx=True)
-        return text(cast(bytes, await self.redis.get(key)))
+        return await async_webhook_secret(self.redis, self.keys, tenant_id, rotate=rotate)
 
     def _attempt_message(self, delivery_id: str, attempt: int, *, now: float,
                          delay_ms: int | None = None) -> tuple[str, str, bytes]:
