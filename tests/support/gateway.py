@@ -31,13 +31,21 @@ def running_gateway(settings: Settings, url: str) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-def gateway_connections(r: redis.Redis, pid: int) -> dict[str, int]:
-    """The Redis connections of the gateway running in process `pid`, by kind (requests, health,
-    streams), from the names it gives them in CLIENT LIST."""
+def gateway_connections(r: redis.Redis, pid: int, *, besides: frozenset[str] = frozenset()) -> dict[str, int]:
+    """The Redis connections of the gateways running in process `pid`, by kind (requests, health,
+    streams), from the names they give them in CLIENT LIST; but those whose CLIENT LIST id is in
+    `besides` (another gateway's of the same process, from `gateway_connection_ids`)."""
     mine = f"tl-gateway:{pid}:"
     kinds: dict[str, int] = {}
     for entry in r.client_list():
         name = str(entry.get("name", ""))
-        if name.startswith(mine):
+        if name.startswith(mine) and str(entry.get("id")) not in besides:
             kinds[name.removeprefix(mine)] = kinds.get(name.removeprefix(mine), 0) + 1
     return kinds
+
+
+def gateway_connection_ids(r: redis.Redis, pid: int) -> frozenset[str]:
+    """The CLIENT LIST ids of the gateway connections process `pid` holds now: taken before a test
+    starts its own gateway, they leave out what earlier tests' gateways still hold."""
+    mine = f"tl-gateway:{pid}:"
+    return frozenset(str(e.get("id")) for e in r.client_list() if str(e.get("name", "")).startswith(mine))
