@@ -30,12 +30,13 @@ DumpAll = dict[str, tuple[bytes | None, bool]]
 
 
 def dump_all(r: redis.Redis, prefix: str) -> DumpAll:
-    """Every key under `prefix` (but the broker's queues and the workers' heartbeats) as `DUMP` serialises
-    it, and whether it expires."""
+    """Every key under `prefix` (but the broker's queues, the workers' heartbeats and the rate-limit
+    buckets, which earlier tests' requests leave to expire within a minute) as `DUMP` serialises it,
+    and whether it expires."""
     out: DumpAll = {}
     for raw in r.scan_iter(f"{prefix}:*", count=1000):
         key = raw.decode()
-        if not key.startswith(f"{prefix}:q:") and not liveness_key(key, prefix):
+        if not key.startswith((f"{prefix}:q:", f"{prefix}:ratelimit:")) and not liveness_key(key, prefix):
             out[key] = (r.dump(key), r.pttl(key) >= 0)
     return out
 
