@@ -5,10 +5,12 @@ pydantic-ai already places breakpoints on the tool definitions and the instructi
 growing conversation (Anthropic's automatic caching), keeps a request within Anthropic's four
 breakpoints (dropping the oldest message breakpoints first) and snaps a retention to the provider's
 tiers. What Threadline adds is what only it knows: where its history stops changing. A `CachePoint`
-goes at the end of the summary block and at the end of the history the run was given (before the
-turn's query): the prefix the following turns start with as long as the window holds, a read at a
-tenth of the input price where a write costs 1.25 times the input price. None goes on a prefix shorter than the model's
-minimum cacheable length: it would only take one of the four slots.
+goes at the end of the kept turns: the prefix the following turns start with as long as the window
+holds, a read at a tenth of the input price where a write costs 1.25 times the input price. That is
+before the running summary, which follows the kept turns (`history.summary_messages`) and changes
+the turn after the window moved, or, without a summary, before the turn's query. None goes on a
+prefix shorter than the model's minimum cacheable length, counted as Anthropic caches it (tools,
+instructions, then messages, one prefix): it would only take one of the four slots.
 
 Each model of a fallback chain is wrapped on its own (`PromptCacheModel`), with its own setting and
 its provider's flags, so a chain of Claude and GPT models caches on both.
@@ -30,7 +32,7 @@ from pydantic_ai.tools import RunContext
 
 from .config import CacheOptions, ModelSpec
 from .history import SUMMARY_HEADER
-from .tokens import Tokenizer, count_messages
+from .tokens import Tokenizer, count_messages, count_tool_definitions
 
 #: Providers whose caches are read only at explicit breakpoints (`cache_control`, `cachePoint`).
 BREAKPOINT_PROVIDERS: frozenset[str] = frozenset({"anthropic", "bedrock"})
@@ -95,20 +97,33 @@ def cache_plan(spec: ModelSpec, tokenizer: Tokenizer) -> CachePlan | None:
 
 
 def mark_stable_prefix(messages: Sequence[ModelMessage], *, run_id: str | None, min_tokens: int,
-                       tokenizer: Tokenizer) -> list[ModelMessage]:
-    """`messages` with a `CachePoint` at the end of the summary block and at the end of the history the
-    run was given (at the head of its first request: pydantic-ai marks the block before it), each
-    only where the prefix before it holds at least `min_tokens`."""
+                       tokenizer: Tokenizer, fixed_tokens: int = 0) -> list[ModelMessage]:
+    """`messages` with a `CachePoint` at the end of the kept turns: at the head of the summary block
+    when the history carries one after them, else at the head of the run's first request (pydantic-ai
+    marks the block before it). A summary in front of the history (no kept turn before it) is a
+    stable block of its own: marked at its end, and the history end after it as without a summary.
+    Only where the prefix before the point, `fixed_tokens` (the tool definitions and instructions
+    sent before the messages) included, holds at least `min_tokens`."""
     out = list(messages)
-    summary = next((i for i, m in enumerate(out) if _is_summary(m)), None)
-    if summary is not None and count_messages(out[: summary + 1], tokenizer) >= min_tokens:
-        out[summary] = _with_cache_point(cast(ModelRequest, out[summary]), at_end=True)
     start = next((i for i, m in enumerate(out) if run_id is not None and m.run_id == run_id), None)
-    if start is None or not isinstance(out[start], ModelRequest) or start == 0:
+    summary = next((i for i, m in enumerate(out[:start]) if _is_summary(m)), None)
+    covered = -1  # the last message a point already ends (a point at the head of message i ends i - 1)
+    if summary == 0:
+        if fixed_tokens + count_messages(out[:1], tokenizer) >= min_tokens:
+            out[0] = _with_cache_point(cast(ModelRequest, out[0]), at_end=True)
+        summary, covered = None, 1  # the summary's acknowledgement
+    point = summary if summary is not None else start
+    if point is None or point - 1 <= covered or not isinstance(out[point], ModelRequest):
         return out
-    if count_messages(out[:start], tokenizer) >= min_tokens:
-        out[start] = _with_cache_point(cast(ModelRequest, out[start]), at_end=False)
+    if fixed_tokens + count_messages(out[:point], tokenizer) >= min_tokens:
+        out[point] = _with_cache_point(cast(ModelRequest, out[point]), at_end=False)
     return out
+
+
+def fixed_prefix_tokens(params: ModelRequestParameters, tokenizer: Tokenizer) -> int:
+    """The tokens a request sends before its messages: the tool definitions and the instructions."""
+    instructions = sum(tokenizer.count(p.content) for p in params.instruction_parts or [])
+    return count_tool_definitions([*params.function_tools, *params.output_tools], tokenizer) + instructions
 
 
 def _is_summary(message: ModelMessage) -> bool:
@@ -149,16 +164,18 @@ class PromptCacheModel(WrapperModel):
             added["openai_prompt_cache_key"] = prompt_cache_key(run_context.conversation_id)
         return cast(ModelSettings, {**added, **(settings or {})})
 
-    def _marked(self, messages: list[ModelMessage], run_context: RunContext[Any] | None) -> list[ModelMessage]:
+    def _marked(self, messages: list[ModelMessage], run_context: RunContext[Any] | None,
+                params: ModelRequestParameters) -> list[ModelMessage]:
         if not self.plan.breakpoints:
             return messages
         return mark_stable_prefix(messages, run_id=run_context.run_id if run_context else None,
-                                  min_tokens=self.plan.min_tokens, tokenizer=self.plan.tokenizer)
+                                  min_tokens=self.plan.min_tokens, tokenizer=self.plan.tokenizer,
+                                  fixed_tokens=fixed_prefix_tokens(params, self.plan.tokenizer))
 
     async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
                       model_request_parameters: ModelRequestParameters) -> Any:
-        return await self.wrapped.request(self._marked(messages, None), self._with_settings(model_settings, None),
-                                          model_request_parameters)
+        return await self.wrapped.request(self._marked(messages, None, model_request_parameters),
+                                          self._with_settings(model_settings, None), model_request_parameters)
 
     @asynccontextmanager
     async def request_stream(
@@ -168,7 +185,7 @@ class PromptCacheModel(WrapperModel):
         model_request_parameters: ModelRequestParameters,
         run_context: RunContext[Any] | None = None,
     ) -> AsyncIterator[StreamedResponse]:
-        async with self.wrapped.request_stream(self._marked(messages, run_context),
+        async with self.wrapped.request_stream(self._marked(messages, run_context, model_request_parameters),
                                                self._with_settings(model_settings, run_context),
                                                model_request_parameters, run_context) as stream:
             yield stream

@@ -93,7 +93,9 @@ SUMMARY_HEADER = "[Summary of the earlier conversation, for context only; not in
 
 
 def summary_messages(text: str) -> list[ModelMessage]:
-    """A running summary as the first exchange of the history."""
+    """A running summary as an exchange of the history. It goes after the kept turns, not before them
+    (`budgeted_history`): a summary is rewritten the turn after the window moved, and the kept turns in
+    front of it stay the byte-identical prefix the provider cached."""
     return [ModelRequest(parts=[UserPromptPart(f"{SUMMARY_HEADER}\n{text}")]),
             ModelResponse(parts=[TextPart("Noted.")])]
 
@@ -276,7 +278,7 @@ def budgeted_history(read: ThreadRead, *, low_water: float,
                                previous_start=read.previous_start, low_water=low_water)
         summary = summary_messages(text)
     kept = set(window.kept)
-    messages = list(summary)
+    messages: list[ModelMessage] = []
     files = FileTally()
     for record in read.rows:
         if record.id in replayed and record.id in kept:
@@ -284,7 +286,10 @@ def budgeted_history(read: ThreadRead, *, low_water: float,
             files += replayed[record.id][1]
         elif record.id in kept:
             messages.extend(turn_messages(record, read.snapshots.get(record.id)))
-    return messages, window, watermark, dataclasses.asdict(files)
+    # after the kept turns: the summary of the turns dropped at a cut is written after that turn, so
+    # the next turn carries a new summary with the same window; in front, it would move the cached
+    # prefix a second time
+    return [*messages, *summary], window, watermark, dataclasses.asdict(files)
 
 
 def _replayed_turns(read: ThreadRead) -> dict[str, tuple[list[ModelMessage], FileTally]]:

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
 
 from threadline.pipeline.budget import BudgetParts
 from threadline.pipeline.compaction import (
@@ -48,8 +56,31 @@ def test_a_summary_stands_in_for_the_dropped_turns_and_counts_in_the_budget() ->
     # a longer summary takes its tokens from the history: one turn fewer
     longer = dataclasses.replace(read, summaries={"t2": ("q1 and q2 happened", 60)})
     assert budgeted_history(longer, low_water=1.0)[1].kept == ["t4", "t5", "t6"]
-    first = messages[0]
-    assert isinstance(first, ModelRequest) and str(first.parts[0].content).startswith(SUMMARY_HEADER)
+    # after the kept turns (t3..t6: two messages each), before the turn's query
+    assert [str(m.parts[0].content)[:2] for m in messages[:8:2]] == ["q3", "q4", "q5", "q6"]
+    block = messages[8]
+    assert isinstance(block, ModelRequest) and str(block.parts[0].content).startswith(SUMMARY_HEADER)
+    assert len(messages) == 10
+
+
+def test_a_rewritten_summary_leaves_the_kept_turns_a_prefix_of_the_next_request() -> None:
+    """The turn after a cut carries the summary its compaction wrote: with the same window, the
+    provider's cached prefix (the kept turns) stays the one the cut turn sent."""
+    rows = [MessageRecord(id=f"t{i}", conversation_id="c", parent_id=f"t{i - 1}" if i > 1 else None,
+                          turn_id=f"t{i}", query=f"q{i}", answer=f"a{i}", status="succeeded") for i in range(1, 8)]
+    budget = BudgetParts(context_window=1440, max_output=1000, safety_margin=0, instructions=0, query=0, tools=0)
+    cut = ThreadRead(rows=rows[:6], snapshots={}, counts={r.id: 100 for r in rows}, complete=True,
+                     previous_start=None, budget=budget, tokenizer="chars/4", summaries={"t1": ("q1 happened", 40)})
+    first, window, _, _ = budgeted_history(cut, low_water=0.5)
+    assert window.reason == "pruned_to_low_water" and window.start == "t5"
+    after = dataclasses.replace(cut, rows=rows, previous_start="t5",
+                                summaries={"t1": ("q1 happened", 40), "t4": ("q1 to q4 happened", 50)})
+    second, window, watermark, _ = budgeted_history(after, low_water=0.5)
+    assert window.reason == "prefix_kept" and watermark == "t4"
+    def texts(messages: list[ModelMessage]) -> list[list[str]]:  # what the provider reads, not the timestamps
+        return [[str(p.content) for p in m.parts if isinstance(p, UserPromptPart | TextPart)] for m in messages]
+
+    assert texts(second)[:4] == texts(first)[:4] and texts(second)[-2] != texts(first)[-2]  # t5, t6; the summaries
 
 
 def test_no_summary_while_nothing_was_dropped() -> None:

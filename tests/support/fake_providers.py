@@ -23,6 +23,8 @@ breakpoint (`cache_control`, or the top-level automatic one on the last block), 
 blocks from each breakpoint, writes at every breakpoint of at least 1,024 tokens, and keeps an entry
 5 minutes (or `ttl: 1h`) from its last use; OpenAI caches any prompt of 1,024 tokens or more
 automatically and reads the longest common prefix with an earlier request in 128-token steps.
+`tool_call` (Anthropic) names the tool a request is answered with a call of, by its body: a
+conversation with tool calls, as `bench.prompt_caching --workers` runs.
 
     with FakeProvider("anthropic") as server:
         ...  # point a model at server.base_url; then look at server.exchanges
@@ -37,7 +39,8 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -91,9 +94,12 @@ class FakeProvider(LocalServer):
     def __init__(
         self, provider: ProviderName, *, always_status: int | None = None, retry_after: str = "0",
         model: str = "fake-model", count_status: int | None = None, count_delay_s: float = 0.0,
-        caching: bool = False,
+        caching: bool = False, tool_call: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> None:
         self.provider = provider
+        #: Anthropic: the tool a request is answered with a call of (no arguments), instead of the
+        #: text; None (or a None answer): the text.
+        self.tool_call = tool_call
         self.always_status = always_status
         self.count_status = count_status
         self.count_delay_s = count_delay_s
@@ -341,9 +347,10 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
                 time.sleep(server.count_delay_s)
                 self._json(HTTPStatus.OK, count_answer(server.provider, body))
             elif found.stream:
-                self._stream(found.operation, _usage(server, found.operation, body))
+                self._stream(found.operation, _usage(server, found.operation, body), _tool(server, found, body))
             else:
-                self._json(HTTPStatus.OK, _complete(found.operation, server, _usage(server, found.operation, body)))
+                self._json(HTTPStatus.OK, _complete(found.operation, server, _usage(server, found.operation, body),
+                                                    _tool(server, found, body)))
 
         do_GET = do_PUT = do_DELETE = do_POST
 
@@ -365,7 +372,7 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def _stream(self, operation: Operation, usage: Usage) -> None:
+        def _stream(self, operation: Operation, usage: Usage, tool: str | None) -> None:
             # No Content-Length: the stream ends when the connection closes.
             binary = operation == "converse"
             self.send_response(HTTPStatus.OK)
@@ -373,7 +380,7 @@ def _handler_for(server: FakeProvider) -> type[BaseHTTPRequestHandler]:
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
-            for frame in _stream_frames(operation, server, usage):
+            for frame in _stream_frames(operation, server, usage, tool):
                 self.wfile.write(frame)
             self.wfile.flush()
             self.close_connection = True
@@ -390,23 +397,27 @@ def _status(server: FakeProvider, found: Route | None) -> int:
     return server.always_status or (HTTPStatus.OK if found else HTTPStatus.NOT_FOUND)
 
 
-def _complete(operation: Operation, server: FakeProvider, usage: Usage) -> dict[str, Any]:
+def _tool(server: FakeProvider, found: Route, body: dict[str, Any]) -> str | None:
+    return server.tool_call(body) if server.tool_call is not None and found.operation == "anthropic" else None
+
+
+def _complete(operation: Operation, server: FakeProvider, usage: Usage, tool: str | None) -> dict[str, Any]:
     if operation == "chat":
         return _chat_completion(server, usage)
     if operation == "anthropic":
-        return _anthropic_message(server, usage)
+        return _anthropic_message(server, usage, tool)
     if operation == "gemini":
         return _gemini_chunk(server, server.text, finish=True)
     return _converse(server)
 
 
-def _stream_frames(operation: Operation, server: FakeProvider, usage: Usage) -> Iterator[bytes]:
+def _stream_frames(operation: Operation, server: FakeProvider, usage: Usage, tool: str | None) -> Iterator[bytes]:
     if operation == "chat":
         for chunk in _chat_chunks(server, usage):
             yield f"data: {json.dumps(chunk)}\n\n".encode()
         yield b"data: [DONE]\n\n"
     elif operation == "anthropic":
-        for event in _anthropic_events(server, usage):
+        for event in _anthropic_events(server, usage, tool):
             yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
     elif operation == "gemini":
         pieces = _words(server.text)
@@ -492,21 +503,30 @@ def _anthropic_usage(usage: Usage, output_tokens: int) -> dict[str, int]:
             "cache_read_input_tokens": usage["read"], "cache_creation_input_tokens": usage["write"]}
 
 
-def _anthropic_message(server: FakeProvider, usage: Usage = None) -> dict[str, Any]:
-    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": server.model,
-            "content": [{"type": "text", "text": server.text}], "stop_reason": "end_turn", "stop_sequence": None,
+def _tool_use(tool: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_fake_{uuid.uuid4().hex[:12]}", "name": tool, "input": {}}
+
+
+def _anthropic_message(server: FakeProvider, usage: Usage = None, tool: str | None = None) -> dict[str, Any]:
+    content = [_tool_use(tool)] if tool else [{"type": "text", "text": server.text}]
+    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": server.model, "content": content,
+            "stop_reason": "tool_use" if tool else "end_turn", "stop_sequence": None,
             "usage": _anthropic_usage(usage, OUTPUT_TOKENS)}
 
 
-def _anthropic_events(server: FakeProvider, usage: Usage = None) -> Iterator[dict[str, Any]]:
+def _anthropic_events(server: FakeProvider, usage: Usage = None, tool: str | None = None) -> Iterator[dict[str, Any]]:
     start = {**_anthropic_message(server), "content": [], "stop_reason": None,
              "usage": _anthropic_usage(usage, 1)}
     yield {"type": "message_start", "message": start}
-    yield {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-    for word in _words(server.text):
-        yield {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}
+    if tool:
+        yield {"type": "content_block_start", "index": 0, "content_block": _tool_use(tool)}
+        yield {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": "{}"}}
+    else:
+        yield {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+        for word in _words(server.text):
+            yield {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}
     yield {"type": "content_block_stop", "index": 0}
-    yield {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+    yield {"type": "message_delta", "delta": {"stop_reason": "tool_use" if tool else "end_turn", "stop_sequence": None},
            "usage": {"output_tokens": OUTPUT_TOKENS}}
     yield {"type": "message_stop"}
 

@@ -8,6 +8,7 @@ turn reports the tokens it received, counted with the agent's tokenizer."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,17 +17,29 @@ from typing import Any
 import genai_prices
 import pytest
 from pydantic import ValidationError
-from pydantic_ai.messages import CachePoint, ModelMessage, ModelRequest, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.messages import (
+    CachePoint,
+    InstructionPart,
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    UserPromptPart,
+)
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.tools import ToolDefinition
 
 from tests.conftest import AgentFactory, WorkerPool, drop_prefix, turn
 from tests.support.browser import CHROMIUM, DESKTOP
 from tests.support.fake_providers import FakeProvider
 from tests.support.gateway import running_gateway
+from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.caching import (
     cache_plan,
     cache_setting,
     count_breakpoints,
+    fixed_prefix_tokens,
     mark_stable_prefix,
     min_cacheable_tokens,
     prompt_cache_key,
@@ -34,12 +47,15 @@ from threadline.pipeline.caching import (
 from threadline.pipeline.config import AgentConfig, ModelSpec
 from threadline.pipeline.contracts import Usage
 from threadline.pipeline.cost import LocalCount, cached_share, run_usage, usage_counters
-from threadline.pipeline.history import summary_messages
-from threadline.pipeline.tokens import CharsTokenizer
+from threadline.pipeline.history import SUMMARY_HEADER, summary_messages
+from threadline.pipeline.invoke import BUILTIN_TOOLS
+from threadline.pipeline.tokens import CharsTokenizer, count_messages, count_tool_definitions
+from threadline.workers.cli import main as cli
 from threadline.workers.clients.client import Client
 from threadline.workers.operations.status import Operations
 from threadline.workers.settings import Settings, model_policy
 from threadline.workers.storage.api_keys import create_key
+from threadline.workers.worker.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -80,8 +96,7 @@ def _conversation(client: Client, agent: str, tenant: str, turns: int) -> list[e
     ended: list[ev.Succeeded] = []
     conversation = None
     for n in range(turns):
-        query = f"{TENANT_TEXT} Question {n}: " + "please tell me more about it. " * 30
-        terminal = client.wait(client.submit(turn(agent, query, conversation_id=conversation, tenant_id=tenant)),
+        terminal = client.wait(client.submit(turn(agent, _query(n), conversation_id=conversation, tenant_id=tenant)),
                                timeout_s=30)
         assert isinstance(terminal, ev.Succeeded), terminal
         conversation = terminal.conversation_id
@@ -104,7 +119,7 @@ def _message_breakpoints(body: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 def test_a_claude_agent_caches_its_tools_instructions_and_stable_prefix_and_reports_reads_and_cost(
-    keyed: Client,
+    keyed: Client, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     tenant = f"tenant-{uuid.uuid4().hex[:8]}"
     with FakeProvider("anthropic", caching=True, model=CLAUDE) as server:
@@ -146,6 +161,69 @@ def test_a_claude_agent_caches_its_tools_instructions_and_stable_prefix_and_repo
     assert counters.cache_write_tokens == sum(t.usage.cache_write_tokens for t in ended)
     assert counters.unpriced_turns == 0
     assert counters.cost_usd == pytest.approx(sum(t.usage.cost_usd or 0 for t in ended), abs=1e-5)
+
+    # `threadline usage`, of the tenant and of the conversation, says the same
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("TL_PREFIX", keyed.keys.prefix)
+    reads = sum(t.usage.cache_read_tokens for t in ended)
+    for argv in ([tenant], ["--conversation", ended[-1].conversation_id or ""]):
+        for extra in (["--json"], []):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exited:
+                cli.main(["usage", *argv, *extra])
+            out = capsys.readouterr().out
+            assert exited.value.code in (0, None), out
+            if extra:
+                shown = json.loads(out)
+                assert shown["cache_read_tokens"] == reads and shown["unpriced_turns"] == 0
+                assert shown["cost_usd"] == pytest.approx(counters.cost_usd, abs=1e-5) and shown["cost_usd"] > 0
+            else:
+                assert f"({reads} read from cache, " in out and "  cost: $" in out and "unknown" not in out
+
+
+def test_with_a_summary_the_breakpoint_ends_the_kept_turns_and_the_turn_after_a_cut_reads_them_back(
+    keyed: Client,
+) -> None:
+    """The running summary follows the kept turns: the summary a cut's compaction writes changes
+    what the next turn sends after them, not the cached prefix in front."""
+    tokenizer = load_tokenizer(None, "anthropic")
+    fixed = (tokenizer.count(INSTRUCTIONS) + count_tool_definitions([BUILTIN_TOOLS["clock"].tool_def], tokenizer)
+             + tokenizer.count(_query(0)))
+    memory = {"safety_margin_tokens": 0, "low_water": 0.5, "compaction": {"summariser": "offline:summary"}}
+    tenant = f"tenant-{uuid.uuid4().hex[:8]}"
+    with FakeProvider("anthropic", caching=True, model=CLAUDE) as server:
+        agent = _agent(keyed, {"provider": "anthropic", "name": CLAUDE, "base_url": server.base_url,
+                               "context_window": fixed + 256 + 1000, "max_output_tokens": 256}, memory=memory)
+        conversation, decisions = None, []
+        for n in range(9):
+            terminal = keyed.wait(keyed.submit(turn(agent, _query(n), conversation_id=conversation,
+                                                    tenant_id=tenant)), timeout_s=30)
+            assert isinstance(terminal, ev.Succeeded), terminal
+            conversation = terminal.conversation_id or ""
+            wait_until(lambda t=terminal.turn_id, c=conversation: "compact" in keyed.decisions(t, conversation_id=c))
+            decisions.append(keyed.decisions(terminal.turn_id, conversation_id=conversation)["history"])
+        sent, reads = _model_calls(server), [u["read"] for u in server.usages]
+
+    reasons = [d["window"]["reason"] for d in decisions]
+    cut = reasons.index("pruned_to_low_water")
+    after = cut + 1
+    assert reasons[after] == "prefix_kept" and decisions[after]["summary"] is not None, reasons
+    messages = sent[after]["messages"]
+    at = next(i for i, m in enumerate(messages) if m["role"] == "user" and _text(m).startswith(SUMMARY_HEADER))
+    assert at == len(messages) - 3  # the summary, its acknowledgement, the turn's query
+    # the one breakpoint of Threadline's: the last block of the kept turns, right before the summary
+    assert _message_breakpoints(sent[after]) == [(at - 1, len(messages[at - 1]["content"]) - 1)]
+    # the cut moved the prefix (tools and instructions read back); the turn after it reads the kept turns too
+    assert reads[cut] < reads[after]
+
+
+def _query(n: int) -> str:
+    return f"{TENANT_TEXT} Question {n}: " + "please tell me more about it. " * 30
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message["content"]
+    return str(content[0].get("text", "") if isinstance(content, list) else content)
 
 
 def test_an_openai_agent_sends_a_prompt_cache_key_of_its_conversation_and_reads_in_128_token_steps(
@@ -235,23 +313,56 @@ def test_model_cache_maps_onto_pydantic_ais_cache_setting() -> None:
     assert min_cacheable_tokens("claude-3-5-haiku-latest") == 2048 and min_cacheable_tokens(CLAUDE) == 1024
 
 
-def test_breakpoints_mark_the_summary_and_the_history_end_and_never_a_short_prefix() -> None:
-    history: list[ModelMessage] = [*summary_messages("the customer asked about order 4711. " * 60),
-                                   ModelRequest(parts=[UserPromptPart("and then? " * 200)], run_id="old"),
-                                   ModelResponse(parts=[TextPart("it shipped")], run_id="old")]
+def test_the_breakpoint_marks_the_end_of_the_kept_turns_before_the_summary_and_never_a_short_prefix() -> None:
+    turns: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart("and then? " * 200)], run_id="old"),
+                                 ModelResponse(parts=[TextPart("it shipped")], run_id="old")]
+    summary = summary_messages("the customer asked about order 4711. " * 60)
     new = ModelRequest(parts=[UserPromptPart("where is it now?")], run_id="now")
     tokenizer = CharsTokenizer()
-    marked = mark_stable_prefix([*history, new], run_id="now", min_tokens=100, tokenizer=tokenizer)
-    assert count_breakpoints(marked) == 2
-    summary_part, query_part = marked[0].parts[0], marked[-1].parts[0]
+    # the summary follows the kept turns (it changes the turn after a cut): the point goes at its head
+    marked = mark_stable_prefix([*turns, *summary, new], run_id="now", min_tokens=100, tokenizer=tokenizer)
+    assert count_breakpoints(marked) == 1
+    summary_part = marked[2].parts[0]
     assert isinstance(summary_part, UserPromptPart) and isinstance(summary_part.content, list)
-    assert isinstance(summary_part.content[-1], CachePoint)
+    assert isinstance(summary_part.content[0], CachePoint)
+    # no summary: at the head of the turn's query
+    marked = mark_stable_prefix([*turns, new], run_id="now", min_tokens=100, tokenizer=tokenizer)
+    query_part = marked[-1].parts[0]
     assert isinstance(query_part, UserPromptPart) and isinstance(query_part.content, list)
     assert isinstance(query_part.content[0], CachePoint) and query_part.content[1] == "where is it now?"
-    assert count_breakpoints(history) == 0  # the stored history is left as it was
-    assert count_breakpoints(mark_stable_prefix([*history, new], run_id="now", min_tokens=10**6,
+    # a summary and no kept turn: at the summary's end; in front of turns, at its end and theirs
+    marked = mark_stable_prefix([*summary, new], run_id="now", min_tokens=100, tokenizer=tokenizer)
+    first = marked[0].parts[0]
+    assert count_breakpoints(marked) == 1 and isinstance(first, UserPromptPart)
+    assert isinstance(first.content, list) and isinstance(first.content[-1], CachePoint)
+    assert count_breakpoints(mark_stable_prefix([*summary, *turns, new], run_id="now", min_tokens=100,
+                                                tokenizer=tokenizer)) == 2
+    assert count_breakpoints([*turns, *summary]) == 0  # the stored history is left as it was
+    assert count_breakpoints(mark_stable_prefix([*turns, new], run_id="now", min_tokens=10**6,
                                                 tokenizer=tokenizer)) == 0
     assert count_breakpoints(mark_stable_prefix([new], run_id="now", min_tokens=0, tokenizer=tokenizer)) == 0
+
+
+def test_the_minimum_cacheable_length_counts_the_tool_definitions_and_instructions_before_the_messages() -> None:
+    """Anthropic caches tools, system and messages as one prefix: a short history after long
+    instructions is worth a breakpoint, the same history alone is not."""
+    turns: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart("where is my parcel?")], run_id="old"),
+                                 ModelResponse(parts=[TextPart("on its way")], run_id="old")]
+    new = ModelRequest(parts=[UserPromptPart("and now?")], run_id="now")
+    tokenizer = CharsTokenizer()
+    history = count_messages(turns, tokenizer)
+    assert history < 1024
+    alone = mark_stable_prefix([*turns, new], run_id="now", min_tokens=1024, tokenizer=tokenizer)
+    assert count_breakpoints(alone) == 0
+    tool = ToolDefinition(name="lookup", description="Look an order up. " * 200,
+                          parameters_json_schema={"type": "object", "properties": {}})
+    params = ModelRequestParameters(function_tools=[tool], instruction_parts=[InstructionPart(INSTRUCTIONS)])
+    fixed = fixed_prefix_tokens(params, tokenizer)
+    assert fixed == count_tool_definitions([tool], tokenizer) + tokenizer.count(INSTRUCTIONS)
+    assert count_tool_definitions([tool], tokenizer) + history < 1024 <= fixed + history
+    counted = mark_stable_prefix([*turns, new], run_id="now", min_tokens=1024, tokenizer=tokenizer,
+                                 fixed_tokens=fixed)
+    assert count_breakpoints(counted) == 1
 
 
 def test_a_cost_nobody_knows_is_none_and_counted_apart() -> None:
