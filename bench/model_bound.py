@@ -7,11 +7,14 @@ their text streams, half while they still wait in a queue. Reported:
 
 - wall time from the first submit to the last terminal event, and the effective concurrency (the sum
   of the turns' model-stage times over the wall time) and the peak number of model stages running;
-- worker RSS (the processes and their children, at the peak and at the end) and CPU (user + system);
+- worker RSS (the processes and their children: before the burst, at the peak, at the end; and
+  what 100 open calls add) and CPU (user + system);
 - the fast stages' run time (resolve, history, map) and the queue hops before history and map, from
   the ids of the turns' event stream entries (the server's clock);
 - cancel latency, from `cancel` returning to the turn's terminal `cancelled` entry, for running and
-  for queued turns.
+  for queued turns;
+- the idle path during the burst: a lone probe turn (`offline:echo`) submitted every
+  `--probe-every-s`, its fast stages' run times and queue hops.
 
     .venv/bin/python -m bench.model_bound --turns 1000 --model-s 5
 """
@@ -26,6 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pydantic_ai.messages import ModelMessage
@@ -43,6 +47,7 @@ TARGET_WALL_S = 15.0
 TARGET_FAST_STAGE_P99_MS = 50.0
 TARGET_QUEUED_CANCEL_MS = 1000.0
 TARGET_RUNNING_CANCEL_P99_MS = 50.0
+PROBE_AGENT = "probe"
 
 
 def paced(options: dict[str, Any]) -> FunctionModel:
@@ -64,6 +69,7 @@ class Resources:
     """Worker processes' RSS and CPU, sampled from /proc (the processes and their children)."""
 
     pids: list[int]
+    idle_rss_mib: float = 0.0
     peak_rss_mib: float = 0.0
     samples: list[float] = field(default_factory=list)
 
@@ -115,6 +121,8 @@ class Burst:
     peak_concurrency: int
     fast_stage_ms: dict[str, list[float]]
     cancel_ms: dict[str, list[float]]
+    #: The probe turns' fast stages (one turn submitted every `--probe-every-s` while the burst runs).
+    probe_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
 def request(agent_id: str, turn_id: str) -> dict[str, Any]:
@@ -159,10 +167,19 @@ def pick_cancels(system: ThreadlineSystem, ids: Sequence[str], count: int) -> tu
     return streaming, queued
 
 
+def probe(system: ThreadlineSystem, probes: list[str], stop: threading.Event, every_s: float) -> None:
+    """The idle path while the burst runs: a lone turn every `every_s`, whose fast stages are timed
+    (its model call queues behind the burst's)."""
+    while every_s and not stop.wait(every_s):
+        probes.append(system.client.submit(request(PROBE_AGENT, uuid.uuid4().hex)).turn_id)
+
+
 def run_burst(system: ThreadlineSystem, agent_id: str, args: argparse.Namespace, res: Resources) -> Burst:
     ids = [uuid.uuid4().hex for _ in range(args.turns)]
     cancelled_at: dict[str, tuple[str, float]] = {}
+    probes: list[str] = []
     stop = threading.Event()
+    prober = partial(probe, system, probes, stop, args.probe_every_s)
 
     def sampler() -> None:
         while not stop.wait(0.25):
@@ -177,7 +194,7 @@ def run_burst(system: ThreadlineSystem, agent_id: str, args: argparse.Namespace,
                 system.client.cancel(turn_id, "bench")
                 cancelled_at[turn_id] = (kind, time.time() * 1000)
 
-    threads = [threading.Thread(target=sampler, daemon=True), threading.Thread(target=canceller, daemon=True)]
+    threads = [threading.Thread(target=target, daemon=True) for target in (sampler, canceller, prober)]
     t0 = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -193,7 +210,9 @@ def run_burst(system: ThreadlineSystem, agent_id: str, args: argparse.Namespace,
     stop.set()
     for thread in threads:
         thread.join()
-    return summarise(system, ids, wall_s, cancelled_at)
+    burst = summarise(system, ids, wall_s, cancelled_at)
+    burst.probe_ms = summarise(system, probes, wall_s, {}).fast_stage_ms
+    return burst
 
 
 def summarise(system: ThreadlineSystem, ids: Sequence[str], wall_s: float,
@@ -259,11 +278,18 @@ def report(command: str, server: str, args: argparse.Namespace, burst: Burst, re
     print(f"| terminal events | {burst.statuses} | one per turn |")
     print(f"| effective concurrency (model time / wall) | {effective:.0f} | |")
     print(f"| peak model stages running at once | {burst.peak_concurrency} | |")
-    print(f"| worker RSS, peak / end | {res.peak_rss_mib:.0f} / {res.rss_mib():.0f} MiB | |")
+    print(f"| worker RSS, before / peak / end | {res.idle_rss_mib:.0f} / {res.peak_rss_mib:.0f} / "
+          f"{res.rss_mib():.0f} MiB | |")
+    if burst.peak_concurrency:
+        per_100 = (res.peak_rss_mib - res.idle_rss_mib) / burst.peak_concurrency * 100
+        print(f"| RSS per 100 open calls ((peak - before) / peak open x 100) | {per_100:.1f} MiB | |")
     print(f"| worker CPU (user + system) | {cpu_s:.1f} s ({cpu_s / max(args.turns, 1) * 1000:.1f} ms a turn) | |")
     print("\n| during the burst, ms | p50 | p99 | max | target |\n|---|---|---|---|---|")
     for name, values in burst.fast_stage_ms.items():
         print(row(f"{name} (run time)" if not name.startswith("hop") else f"{name} (queue hop)", values,
+                  TARGET_FAST_STAGE_P99_MS))
+    for name, values in burst.probe_ms.items():
+        print(row(f"probe turn: {name}" + (" (run time)" if not name.startswith("hop") else " (queue hop)"), values,
                   TARGET_FAST_STAGE_P99_MS))
     print(row("cancel → `cancelled`, a streaming turn", burst.cancel_ms["running"], TARGET_RUNNING_CANCEL_P99_MS))
     print(row("cancel → `cancelled`, a queued turn", burst.cancel_ms["queued"], TARGET_QUEUED_CANCEL_MS))
@@ -279,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cancels", type=int, default=20)
     parser.add_argument("--cancel-after-s", type=float, default=2.0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--probe-every-s", type=float, default=0.5,
+                        help="submit a lone probe turn this often while the burst runs (0: none)")
     parser.add_argument("--tl-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the workers (repeatable), e.g. TL_THREADS=32")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
@@ -296,8 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "id": agent_id, "model": {"provider": "python", "name": "bench.model_bound:paced",
                                           "options": {"words": args.words,
                                                       "delay_ms": args.model_s * 1000 / args.words}}}))
+            system.client.put_agent(AgentConfig.model_validate({"id": PROBE_AGENT, "model": "offline:echo"}))
             system.client.wait(system.client.submit(request(agent_id, uuid.uuid4().hex)).turn_id, timeout_s=120)
             res = Resources([w.proc.pid for w in workers])
+            res.idle_rss_mib = res.rss_mib()
             cpu0 = res.cpu_s()
             burst = run_burst(system, agent_id, args, res)
             report(command, server.version, args, burst, res, res.cpu_s() - cpu0)

@@ -74,7 +74,8 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_LOG_LEVEL", "DEBUG, INFO (default), WARNING, ERROR or CRITICAL; DEBUG logs message content"),
     ("TL_PROCESSES", "worker processes (default 2)"),
     ("TL_THREADS", "threads per worker process (default 8)"),
-    ("TL_INVOKE_PREFETCH", "model calls one process runs at once (default threads / 2)"),
+    ("TL_MODEL_CALLS", "model calls one process runs at once (default: 500, fewer when memory is short)"),
+    ("TL_INVOKE_PREFETCH", "the older name of TL_MODEL_CALLS (read when that is not set)"),
     ("TL_MAX_QUERY_CHARS", "longest query (default 32000)"),
     ("TL_MAX_CONTEXT_CHARS", "longest context, and longest answers to a paused turn's tool calls (default 200000)"),
     ("TL_MAX_INPUTS_CHARS", "the most characters of prompt variables, names and values (default 32000)"),
@@ -82,7 +83,7 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_MAX_BODY_BYTES", "the largest request body the gateway reads; larger is a 413 (default 2097152)"),
     ("TL_MAX_TEXT_CHARS", "answers and tool texts are stored cut at this length (default 100000)"),
     ("TL_IDLE_POLL_MS", "an idle consumer's poll interval (default 2000)"),
-    ("TL_DELAY_POLL_MS", "the delay queues' poll interval (default 5000)"),
+    ("TL_DELAY_POLL_MS", "poll interval of the queues only workers fill: delay, later stages' (default 30000)"),
     ("TL_ARTIFACT_TTL_S", "lifetime of a turn's artifacts, a safety net (default 86400)"),
     ("TL_TURN_TTL_S", "how long an ended turn's record and events stay (default 21600)"),
     ("TL_CANCEL_TTL_S", "lifetime of a cancel flag (default 86400)"),
@@ -127,10 +128,9 @@ class Settings:
     log_level: str = "INFO"
     processes: int = 2
     threads: int = 8
-    #: Invoke messages one process holds, and runs concurrently, at once. Each holds a worker thread
-    #: for the whole turn, so the default (half the threads) keeps threads free for the fast stages
-    #: and for cancels; no invoke waits in a local buffer while a thread could run it. None: threads // 2.
-    invoke_prefetch: int | None = None
+    #: Model calls one process runs at once, on its event loop (no thread each: `worker/calls.py`);
+    #: the model queue's prefetch. None: `calls.default_model_calls()`, from the memory available.
+    model_calls: int | None = None
     max_query_chars: int = 32_000
     max_context_chars: int = 200_000
     #: Prompt variables (`inputs`), every name and value counted as text; files per request.
@@ -142,7 +142,10 @@ class Settings:
     max_text_chars: int = 100_000
     #: Upper bound for an idle consumer's sleep between polls; a doorbell wakes it sooner.
     idle_poll_ms: int = 2_000
-    delay_poll_ms: int = 5_000
+    #: The same for the queues only the workers' own scripts fill (the delay queues, every stage's
+    #: but the first, the webhooks'): every enqueue onto them rings, so their poll only covers a ring
+    #: lost with a connection.
+    delay_poll_ms: int = 30_000
     #: A safety net: a turn's artifacts are deleted when it ends.
     artifact_ttl_s: int = 86_400
     #: How long an ended turn's record and events stay readable (and its id stays taken).
@@ -235,7 +238,8 @@ class Settings:
             log_level=log_level,
             processes=_int(env, "TL_PROCESSES", 2, minimum=1),
             threads=_int(env, "TL_THREADS", 8, minimum=1),
-            invoke_prefetch=_int(env, "TL_INVOKE_PREFETCH", 0) or None,
+            # TL_INVOKE_PREFETCH: its name before model calls left the threads
+            model_calls=_int(env, "TL_MODEL_CALLS", _int(env, "TL_INVOKE_PREFETCH", 0)) or None,
             max_query_chars=_int(env, "TL_MAX_QUERY_CHARS", 32_000, minimum=1),
             max_context_chars=_int(env, "TL_MAX_CONTEXT_CHARS", 200_000, minimum=1),
             max_inputs_chars=_int(env, "TL_MAX_INPUTS_CHARS", 32_000, minimum=1),
@@ -243,7 +247,7 @@ class Settings:
             max_body_bytes=_int(env, "TL_MAX_BODY_BYTES", 2 * 1024 * 1024, minimum=1024),
             max_text_chars=_int(env, "TL_MAX_TEXT_CHARS", 100_000, minimum=1),
             idle_poll_ms=_int(env, "TL_IDLE_POLL_MS", 2_000, minimum=1),
-            delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 5_000, minimum=1),
+            delay_poll_ms=_int(env, "TL_DELAY_POLL_MS", 30_000, minimum=1),
             artifact_ttl_s=_int(env, "TL_ARTIFACT_TTL_S", 86_400, minimum=1),
             turn_ttl_s=_int(env, "TL_TURN_TTL_S", 6 * 3_600, minimum=1),
             cancel_ttl_s=_int(env, "TL_CANCEL_TTL_S", 86_400, minimum=1),

@@ -43,3 +43,24 @@ def meeting(options: dict[str, Any]) -> FunctionModel:
             _record(record, "end")
 
     return FunctionModel(stream_function=stream, model_name="test:meeting")
+
+
+def held(options: dict[str, Any]) -> FunctionModel:
+    """Streams one word, records its start, then holds the stream open until `until` (a file path)
+    exists, and ends with a second word (`record`: start, then end or closed when cancelled). Many
+    such calls stay open together at no cost but their waiting."""
+    record, until = Path(options["record"]), Path(options["until"])
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        _record(record, "start")
+        ended = "closed"
+        try:
+            yield "held "
+            while not until.exists():
+                await asyncio.sleep(0.05)
+            yield "released"
+            ended = "end"
+        finally:
+            _record(record, ended)
+
+    return FunctionModel(stream_function=stream, model_name="test:held")

@@ -165,10 +165,10 @@ def test_a_missed_notification_is_caught_by_the_flag_poll(
 def test_a_turn_queued_behind_busy_model_calls_ends_at_once_and_its_conversation_goes_on(
     isolated: Callable[..., WorkerPool], tmp_path: Path
 ) -> None:
-    """One model call at a time (`TL_INVOKE_PREFETCH=1`), held open: the next turn waits in the
+    """One model call at a time (`TL_MODEL_CALLS=1`), held open: the next turn waits in the
     invoke queue. Its cancel ends it while the held call still runs (not when a worker reaches its
     message), the turn after it in its conversation is admitted, and the dropped message calls no model."""
-    pool = isolated({"TL_INVOKE_PREFETCH": "1"}).start(processes=1, threads=4)
+    pool = isolated({"TL_MODEL_CALLS": "1"}).start(processes=1, threads=4)
     client = Client(pool.url, prefix=pool.prefix)
     release, record = tmp_path / "release", tmp_path / "calls.jsonl"
     agent = f"agent-{uuid.uuid4().hex[:8]}"

@@ -68,6 +68,10 @@ def scrape(port: int) -> Samples:
             for family in text_string_to_metric_families(body.decode()) for s in family.samples]
 
 
+#: The supervised processes' TL_MODEL_CALLS.
+MODEL_CALLS = 7
+
+
 def value(samples: Samples, name: str, **labels: str) -> float:
     """The sum of the samples named `name` whose labels include `labels` (over every process)."""
     return sum(v for n, have, v in samples if n == name and labels.items() <= have.items())
@@ -77,7 +81,7 @@ def supervisor(url: str, prefix: str, port: int, log: Path, *args: str) -> subpr
     """`threadline worker`, as a deployment runs it, with its metrics endpoint on `port`."""
     env = {**os.environ, "REDIS_URL": url, "TL_PREFIX": prefix, "TL_METRICS_PORT": str(port),
            "TL_ALLOW_PYTHON_PLUGINS": "1", "TL_MAX_RETRIES": "1", "TL_DELAY_POLL_MS": "100",
-           "TL_LOG_FORMAT": "json", "PYTHONPATH": str(ROOT)}
+           "TL_LOG_FORMAT": "json", "TL_MODEL_CALLS": str(MODEL_CALLS), "PYTHONPATH": str(ROOT)}
     threadline = shutil.which("threadline", path=str(Path(sys.executable).parent)) or "threadline"
     with open(log, "ab") as out:
         return subprocess.Popen([threadline, "worker", *args], env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -165,9 +169,12 @@ def test_every_metric_moves_with_real_turns(served: Served) -> None:
     assert isinstance(broken, ev.Failed) and broken.code == "internal_error", broken
 
     def moved() -> Samples | None:
+        # a model call's stage time is counted as its call ends, which may be just after its terminal event
         after = scrape(port)
+        errors = ("threadline_stage_seconds_count", {"stage": "invoke", "outcome": "error"})
         done = value(after, "threadline_turns_total", outcome="failed", code="internal_error") > value(
-            before, "threadline_turns_total", outcome="failed", code="internal_error")
+            before, "threadline_turns_total", outcome="failed", code="internal_error") and value(
+            after, errors[0], **errors[1]) - value(before, errors[0], **errors[1]) >= 2
         return after if done else None
 
     after = poll(moved, timeout_s=10)
@@ -181,6 +188,7 @@ def test_every_metric_moves_with_real_turns(served: Served) -> None:
     # the queues, the turns in flight and the workers, as Redis says
     assert value(during, "threadline_turns_in_flight") >= 1
     assert value(during, "threadline_stages_running", stage="invoke") >= 1
+    assert value(during, "threadline_model_calls_limit") == 2 * MODEL_CALLS  # both processes' TL_MODEL_CALLS
     assert value(during, "threadline_queue_depth", queue=UNSERVED) == 1
     assert value(during, "threadline_queue_oldest_age_seconds", queue=UNSERVED) >= 30
     assert {labels["queue"] for name, labels, _ in during if name == "threadline_queue_depth"} == set(

@@ -14,6 +14,10 @@ from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 
+#: A worker process's connections to Redis for its stages, and how long a command waits for one.
+POOL_CONNECTIONS = 64
+POOL_TIMEOUT_S = 30.0
+
 
 class StoreBase:
     def __init__(self, client: aioredis.Redis, settings: Settings, graph: StageGraph) -> None:
@@ -27,7 +31,11 @@ class StoreBase:
 
     @classmethod
     def connect(cls, url: str, settings: Settings, graph: StageGraph) -> Self:
-        return cls(aioredis.Redis.from_url(url, max_connections=64), settings, graph)
+        """A worker's store. Its pool blocks: a process holds hundreds of model calls on one event
+        loop, and a burst of their writes waits for a free connection instead of failing."""
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS,
+                                                        timeout=POOL_TIMEOUT_S)
+        return cls(aioredis.Redis(connection_pool=pool), settings, graph)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -37,6 +37,9 @@ STAGE_SECONDS = Histogram("threadline_stage_seconds",
                           ["stage", "outcome"], buckets=_STAGE_BUCKETS)
 STAGES_RUNNING = Gauge("threadline_stages_running", "Stage messages being processed now, by stage", ["stage"],
                        multiprocess_mode="livesum")
+MODEL_CALLS_LIMIT = Gauge("threadline_model_calls_limit", "Model calls the worker processes may run at once "
+                          "(TL_MODEL_CALLS each): beside threadline_stages_running{stage=invoke}, how full they are",
+                          multiprocess_mode="livesum")
 REDELIVERIES = Counter("threadline_redeliveries", "Messages delivered again after their actor raised (dramatiq's "
                        "retries), by stage", ["stage"])
 TAKEOVERS = Counter("threadline_watchdog_takeovers", "Stalled turns the watchdog enqueued again, by the stage they "

@@ -142,11 +142,19 @@ def start_stage(stage: str, turn_id: str, attributes: Attributes) -> StageSpan |
     return StageSpan(span, otel_context.attach(trace.set_span_in_context(span)))
 
 
-def end_stage(started: StageSpan, *, error: BaseException | None = None) -> None:
+def end_stage(started: StageSpan, *, error: BaseException | None = None, detach: bool = True) -> None:
+    """End the span; `detach` it from this thread too, unless `leave_stage` did (a model call ends
+    on the event loop, after its actor's thread moved on)."""
     if error is not None:
         started.span.record_exception(error)
         started.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
     started.span.end()
+    if detach:
+        leave_stage(started)
+
+
+def leave_stage(started: StageSpan) -> None:
+    """The span is no longer current in the thread that started it (it may still be open)."""
     otel_context.detach(started.token)
 
 

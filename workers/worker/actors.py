@@ -35,8 +35,10 @@ RUNNERS: dict[StageKind, Runner] = {
 def declare_actors(broker: dramatiq.Broker, graph: StageGraph, ref: RuntimeRef, *,
                    max_retries: int) -> dict[str, dramatiq.Actor[Any, Any]]:
     """Register the actors of `graph` (and the control actor) on `broker`."""
-    declared = {stage.name: _declare(broker, stage.name, stage.queue, _stage_actor(ref, stage), priority=10,
-                                     max_retries=max_retries)
+    # a process holds hundreds of model messages at once (`calls.py`): the fast stages' messages
+    # go to a free thread before them (dramatiq runs a lower number first)
+    declared = {stage.name: _declare(broker, stage.name, stage.queue, _stage_actor(ref, stage),
+                                     priority=15 if stage.kind == "model" else 10, max_retries=max_retries)
                 for stage in graph}
 
     async def cancel(*args: object, **kwargs: object) -> None:

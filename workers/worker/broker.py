@@ -35,6 +35,7 @@ from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, json_too_deep
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 from threadline.workers.telemetry import metrics
+from threadline.workers.worker.calls import ModelCalls, default_model_calls
 from threadline.workers.worker.listener import Listener
 from threadline.workers.worker.reachability import Reachability
 
@@ -42,11 +43,17 @@ log = structlog.get_logger(__name__)
 
 class DoorbellBroker(RedisBroker):
     def __init__(self, *, settings: Settings, url: str, slow_queues: frozenset[str] = frozenset(),
-                 **kwargs: Any) -> None:
+                 entry_queues: frozenset[str] | None = None, **kwargs: Any) -> None:
         super().__init__(url=url, namespace=settings.broker_namespace, **kwargs)  # type: ignore[no-untyped-call]
         self.settings = settings
-        #: Queues of model stages: each message holds a thread for a whole model call.
+        #: Queues of model stages: their calls run detached (`calls.py`), their acks wait for them.
         self.slow_queues = slow_queues
+        #: Queues that producers outside the workers fill (which may ring nothing): polled every
+        #: `idle_poll_ms`. Every other queue is filled by the workers' own scripts, each enqueue
+        #: rings, and its poll (`delay_poll_ms`, as a delay queue's) only covers a ring lost with a
+        #: connection. None: every queue but the delay queues is such a queue.
+        self.entry_queues = entry_queues
+        self.calls = ModelCalls(settings.model_calls or default_model_calls(), self)
         self.keys = Keys(settings.prefix)
         self.url = url
         self._rings: dict[str, list[threading.Event]] = {}
@@ -71,9 +78,10 @@ class DoorbellBroker(RedisBroker):
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> DoorbellConsumer:
         if queue_name in self.slow_queues:
-            prefetch = self.settings.invoke_prefetch or 1
+            prefetch = self.calls.limit  # a call's message stays outstanding until its call ends
         delayed = queue_name.endswith(".DQ")
-        idle_ms = self.settings.delay_poll_ms if delayed else self.settings.idle_poll_ms
+        entry = not delayed and (self.entry_queues is None or queue_name in self.entry_queues)
+        idle_ms = self.settings.idle_poll_ms if entry else self.settings.delay_poll_ms
         # dramatiq restarts a consumer that lost its connection after 3 s; this adds the backoff
         self._closed.wait(self.reachability.retry_in(queue_name))
         ring = threading.Event()
@@ -239,22 +247,59 @@ class DoorbellConsumer(_RedisConsumer):
         self._dead_letter_script = broker.client.register_script(lua.source("dead_letter"))
         #: Look for orphans before the first fetch (`_requeue_orphans`).
         self._sweep = True
+        #: Set while the consumer may have let a ring pass at full capacity: the next ack rings again.
+        self._passed_over = False
 
     def ack(self, message: dramatiq.MessageProxy) -> None:
+        if self.broker.calls.defer_ack(message, self):
+            return  # its model call runs on: `ack_detached` acks it when the call ends
+        self._ack(message)
+
+    def ack_detached(self, message: dramatiq.MessageProxy) -> None:
+        """The ack (a nack if it failed for good) of a detached call's message, once the call ended:
+        waits out a lost connection as dramatiq's does (`post_process_message`), unless the process
+        stops (the message then stays in the ack set; the watchdog puts it back, and its stage is
+        done: a no-op)."""
+        while True:
+            try:
+                if message.failed:  # its retries are spent (`calls.redeliver`)
+                    self._nack(message)
+                else:
+                    self._ack(message)
+                return
+            except ConnectionClosed:
+                if self.broker.closing:
+                    raise
+                self.broker._closed.wait(1.0)
+
+    def _ack(self, message: dramatiq.MessageProxy) -> None:
         try:
             super().ack(message)  # type: ignore[no-untyped-call]
             self._release(message)  # not when the ack failed: dramatiq tries it again, and it is still held
         finally:
-            self.ring.set()  # capacity freed: fetch again now
+            self._capacity_freed()
 
     def nack(self, message: dramatiq.MessageProxy) -> None:
         """dramatiq nacks a message for an actor it does not know (`ConsumerThread.handle_message`)
-        and one that failed for good (retries exhausted): either way, record why."""
+        and one that failed for good (retries exhausted): either way, record why. A detached call
+        that failed for good may be failed before dramatiq looks: its nack, too, waits for its end."""
+        if self.broker.calls.defer_ack(message, self):
+            return
+        self._nack(message)
+
+    def _nack(self, message: dramatiq.MessageProxy) -> None:
         try:
             super().nack(message)  # type: ignore[no-untyped-call]
             self._release(message)
             self._record_nack(message)
         finally:
+            self._capacity_freed()
+
+    def _capacity_freed(self) -> None:
+        """Fetch again now if the consumer let a ring pass while it was full; otherwise every ring
+        was answered with a fetch already, and one more would find the queue empty."""
+        if self._passed_over:
+            self._passed_over = False
             self.ring.set()
 
     def requeue(self, messages: Iterable[dramatiq.MessageProxy]) -> None:
@@ -262,6 +307,10 @@ class DoorbellConsumer(_RedisConsumer):
         super().requeue(listed)  # type: ignore[no-untyped-call]
         for message in listed:
             self._release(message)
+        if listed:
+            # put back without an enqueue (a stopping worker's): ring, or they wait for a poll
+            with contextlib.suppress(redis.RedisError):
+                self.broker.ring(self.queue_name)
 
     def _hold(self, message: dramatiq.MessageProxy) -> None:
         with self.broker.held_lock:
@@ -308,7 +357,10 @@ class DoorbellConsumer(_RedisConsumer):
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()
                 fetched: list[bytes | None] = []
+                # set before the look: an ack that frees capacity after it sees the flag (`_capacity_freed`)
+                self._passed_over = True
                 if self.outstanding_message_count < self.prefetch and not self.broker.closing:
+                    self._passed_over = False
                     fetched = self.broker.do_fetch(self.queue_name, self.prefetch - self.outstanding_message_count)
                     self.broker.reachability.ok(self.queue_name)
                     self.message_cache = self._admit(fetched)

@@ -32,6 +32,7 @@ from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
 from threadline.workers.worker.actors import declare_actors
 from threadline.workers.worker.broker import DoorbellBroker
+from threadline.workers.worker.calls import default_model_calls
 from threadline.workers.worker.middleware import Boot, GiveUp, Liveness, LogContext, Metrics, Tracing
 from threadline.workers.worker.runtime import RuntimeRef
 
@@ -67,7 +68,7 @@ def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GR
                  threads: int | None = None) -> tuple[DoorbellBroker, dramatiq.Worker]:
     """A running worker in this process (`serve` runs one until a signal; tests run one in-process)."""
     threads = threads or settings.threads
-    settings = dataclasses.replace(settings, invoke_prefetch=settings.invoke_prefetch or max(1, threads // 2))
+    settings = dataclasses.replace(settings, model_calls=settings.model_calls or default_model_calls())
     broker = create_broker(settings, url, graph=graph)
     unknown = sorted(set(queues) - set(all_queues(graph)))
     if unknown:

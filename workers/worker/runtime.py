@@ -31,6 +31,7 @@ from threadline.workers.storage.store import Store
 from threadline.workers.storage.turns import Finish
 from threadline.workers.telemetry import metrics, tracing
 from threadline.workers.telemetry.logs import add_secret
+from threadline.workers.worker.calls import ModelCalls, default_model_calls
 from threadline.workers.worker.cancellation import CancelRegistry
 from threadline.workers.worker.providers import build_counting_model, build_model, build_tools, model_secrets
 from threadline.workers.worker.token_counting import LocalCounter, ProviderCounter, TokenCounter
@@ -40,11 +41,15 @@ log = structlog.get_logger(__name__)
 
 
 class Runtime:
-    def __init__(self, store: Store, registry: CancelRegistry) -> None:
+    def __init__(self, store: Store, registry: CancelRegistry, calls: ModelCalls | None = None) -> None:
         self.store = store
         self.settings: Settings = store.settings
         self.graph: StageGraph = store.graph
         self.registry = registry
+        #: The model calls running on the event loop (the broker's, in a worker).
+        self.calls = calls or ModelCalls(self.settings.model_calls or default_model_calls())
+        #: The runtime the model calls run with on their own loop (`for_calls`; set by `Boot`).
+        self.on_calls: Runtime | None = None
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._agents: dict[str, TurnAgent] = {}
         self._agents_lock = threading.Lock()
@@ -54,6 +59,15 @@ class Runtime:
         self._held: Counter[str] = Counter()
         self._handing_over: set[str] = set()
         self._held_lock = threading.Lock()
+
+    def for_calls(self, store: Store) -> Runtime:
+        """The runtime of the model calls' event loop (`calls.py`): the same process — worker id,
+        cancel registry, the turns it holds and hands over — with `store`'s connections and models
+        of its own, since neither may cross event loops."""
+        sibling = Runtime(store, self.registry, self.calls)
+        sibling.worker_id = self.worker_id
+        sibling._held, sibling._handing_over, sibling._held_lock = self._held, self._handing_over, self._held_lock
+        return sibling
 
     def hold(self, turn_id: str) -> None:
         with self._held_lock:

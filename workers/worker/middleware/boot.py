@@ -32,7 +32,8 @@ class Boot(Middleware):
 
         assert isinstance(broker, DoorbellBroker)
         registry = CancelRegistry()
-        runtime = Runtime(Store.connect(self.url, self.settings, self.graph), registry)
+        runtime = Runtime(Store.connect(self.url, self.settings, self.graph), registry, broker.calls)
+        runtime.on_calls = runtime.for_calls(Store.connect(self.url, self.settings, self.graph))
         self.ref.set(runtime)
         self.watcher = CancelWatcher(registry, broker.listener, self.url, broker.keys)
         loop = get_event_loop_thread()
@@ -49,6 +50,10 @@ class Boot(Middleware):
             self._watchdog.cancel()
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        from threadline.workers.worker.broker import DoorbellBroker
+
+        assert isinstance(broker, DoorbellBroker)
         if self.watcher is not None:
             self.watcher.stop()
+        broker.calls.stop()
         self.ref.set(None)

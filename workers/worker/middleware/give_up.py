@@ -38,13 +38,18 @@ class GiveUp(Middleware):
         try:
             loop.run_coroutine(self.ref.get().end_turn(
                 turn_id, "failed", code="internal_error",
-                message=f"{message.actor_name} failed after retries: {type(exception).__name__}",
+                message=gave_up(message.actor_name, exception),
             ))
         except Exception:
             log.exception("give_up_failed", turn_id=turn_id)
 
     def turn_id_of(self, message: dramatiq.MessageProxy) -> str | None:
         return turn_id_of(message, admit_actor=self.admit_actor)
+
+
+def gave_up(actor_name: str, exception: BaseException) -> str:
+    """The terminal event's message of a turn whose stage message exhausted its retries."""
+    return f"{actor_name} failed after retries: {type(exception).__name__}"
 
 
 def turn_id_of(message: dramatiq.MessageProxy, *, admit_actor: str) -> str | None:

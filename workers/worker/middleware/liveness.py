@@ -147,6 +147,9 @@ class Liveness(Middleware):
         handed_over = self.ref.get().hand_over_all()
         log.info("worker_draining", requeued=requeued, handing_over=handed_over, running=self.ref.get().held(),
                  grace_s=self.settings.shutdown_grace_s)
+        # the model calls run on their own event loop, stopped with the worker: wait for them to hand back
+        if not broker.calls.wait_idle(self.settings.shutdown_grace_s):
+            log.warning("model_calls_still_running", calls=broker.calls.running())
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         left = self.ref.get().held()

@@ -12,6 +12,7 @@ import dramatiq
 from dramatiq.middleware import Middleware
 
 from threadline.workers.telemetry import metrics
+from threadline.workers.worker.calls import calls_of, ends_later
 
 
 class Metrics(Middleware):
@@ -23,6 +24,9 @@ class Metrics(Middleware):
         self._reporter: threading.Thread | None = None
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        if (calls := calls_of(broker)) is not None:
+            calls.on_end(self._done)  # a model call's time is its whole call's, not its actor's
+            metrics.MODEL_CALLS_LIMIT.set(calls.limit)
         self._stop.clear()
         self._reporter = threading.Thread(target=self._report, args=(worker,), name="threadline-metrics-report",
                                           daemon=True)
@@ -41,6 +45,8 @@ class Metrics(Middleware):
 
     def after_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy, *,
                               result: Any = None, exception: BaseException | None = None) -> None:
+        if exception is None and ends_later(broker, message):
+            return
         self._done(message, "ok" if exception is None else "error")
 
     def after_skip_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy) -> None:

@@ -1,5 +1,6 @@
 """The runner of the `model` stage: the model claim and its heartbeat, the pydantic-ai run with a
-cancellation token and a deadline, retries of transient failures, the hand-over to the finish stage."""
+cancellation token and a deadline, retries of transient failures, the hand-over to the finish stage.
+The call runs on the model calls' event loop, not on its message's thread (`calls.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from functools import partial
 
+import dramatiq
 import structlog
+from dramatiq.middleware import CurrentMessage
 from pydantic_ai import CancellationToken
 
 from threadline.pipeline import events
@@ -32,6 +35,7 @@ from threadline.pipeline.streaming import RunEvents, TextDebouncer
 from threadline.workers.storage.turns import Next
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.limiter import limited_model, turn_limiter
+from threadline.workers.worker.middleware.give_up import gave_up
 from threadline.workers.worker.providers import build_tools
 from threadline.workers.worker.runners.common import (
     Started,
@@ -47,24 +51,44 @@ log = structlog.get_logger(__name__)
 
 
 async def run_model(rt: Runtime, stage: Stage, envelope: object) -> None:
+    """Claim the model call and start it on the calls' event loop (`calls.py`), with the calls'
+    runtime; the message's thread is free again at once, and its ack waits for the call's end."""
     if (env := await envelope_of(rt, stage, envelope)) is None:
         return
     token = rt.registry.register(env.turn_id)  # before begin: a cancel from now on reaches the run
     try:
-        if (s := await start_stage(rt, stage, env, claim=rt.worker_id)) is None:
-            return
-        try:
-            if s.turn.guard is not None:
-                await _answer_without_model(rt, stage, s)
-            else:
-                await _call_model(rt, stage, s, token)
-                await _cancel_observed(rt, env.turn_id, token)
-        except Exception:
-            # dramatiq retries this message: its next delivery must not find our claim and stand down
-            await rt.store.release_claim(env.turn_id, rt.worker_id)
-            raise
-    finally:
+        s = await start_stage(rt, stage, env, claim=rt.worker_id)
+    except BaseException:
         rt.registry.unregister(env.turn_id, token)
+        raise
+    if s is None:
+        rt.registry.unregister(env.turn_id, token)
+        return
+    message = CurrentMessage.get_current_message()
+    assert isinstance(message, dramatiq.MessageProxy), "the model stage runs under CurrentMessage"
+    assert rt.on_calls is not None, "a worker's runtime has the calls' runtime (Boot)"
+    rt.hold(env.turn_id)  # for the heartbeat, until the call ends (Liveness lets the message go now)
+    rt.calls.spawn(message, _run_call(rt.on_calls, stage, s, token, message))
+
+
+async def _run_call(rt: Runtime, stage: Stage, s: Started, token: CancellationToken,
+                    message: dramatiq.MessageProxy) -> None:
+    turn_id = s.env.turn_id
+    try:
+        if s.turn.guard is not None:
+            await _answer_without_model(rt, stage, s)
+        else:
+            await _call_model(rt, stage, s, token)
+            await _cancel_observed(rt, turn_id, token)
+    except Exception as e:
+        # the message runs again: its next delivery must not find our claim and stand down
+        await rt.store.release_claim(turn_id, rt.worker_id)
+        if not await rt.calls.redeliver(message, e):
+            await rt.end_turn(turn_id, "failed", code="internal_error", message=gave_up(message.actor_name, e))
+        raise  # logged, and counted as the stage's error, by `ModelCalls`
+    finally:
+        rt.registry.unregister(turn_id, token)
+        rt.let_go(turn_id)
 
 
 @contextlib.asynccontextmanager
