@@ -605,6 +605,7 @@ def supervisor(redis_url: str, metrics_port: int) -> Iterator[subprocess.Popen[b
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # ~20 s: a supervisor's workers and a Redis restart
 def test_healthcheck_follows_the_supervisor_and_redis(supervisor: subprocess.Popen[bytes], redis_url: str,
                                                       metrics_port: int) -> None:
     parent = str(supervisor.pid)

@@ -24,6 +24,7 @@ from threadline.workers.worker.tokenizers import load_tokenizer
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # 40 turns with their compactions
 def test_a_code_word_of_turn_1_reaches_turn_40_through_the_summary(workers: WorkerPool, client: Client,
                                                                    make_agent: AgentFactory) -> None:
     agent = make_agent({"provider": "offline", "name": "chat", "context_window": 700, "max_output_tokens": 100},

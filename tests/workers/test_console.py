@@ -142,6 +142,7 @@ def conversation(console: Console, cid: str) -> list[dict[str, Any]]:
 # --- the tree, the branches, the budget (the desktop screen) --------------------------------------
 
 
+@pytest.mark.slow  # ~15 s of chromium: the slow tier (`.ci/run`) runs it
 def test_console_chats_regenerates_branches_and_stops(console: Console, browser: Any, tmp_path: Path) -> None:
     small = console.agent({"provider": "offline", "name": "chat", "context_window": 400, "max_output_tokens": 60},
                           instructions="You are the console's test agent.", memory={"safety_margin_tokens": 20})
@@ -224,7 +225,8 @@ def test_console_chats_regenerates_branches_and_stops(console: Console, browser:
 # --- the console as a chat, on a laptop and on a phone --------------------------------------------
 
 
-@pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["1280x800", "390x844"])
+@pytest.mark.parametrize("viewport", [DESKTOP, pytest.param(PHONE, marks=pytest.mark.slow)],
+                         ids=["1280x800", "390x844"])
 def test_console_is_a_chat_that_shows_what_each_turn_did(console: Console, browser: Any, tmp_path: Path,
                                                           viewport: dict[str, int]) -> None:
     phone = viewport == PHONE

@@ -150,6 +150,7 @@ def memory_server() -> Iterator[StrictChatServer]:
         yield server
 
 
+@pytest.mark.slow  # 40 turns (~25 s on a loaded machine): the slow tier (`.ci/run`) runs it
 def test_every_request_fits_the_window_and_carries_the_newest_whole_turns(
     workers: WorkerPool, client: Client, make_agent: AgentFactory, memory_server: StrictChatServer
 ) -> None:

@@ -17,40 +17,45 @@
 -- (the message id names a row the turn did not write: its id was used before)
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
-local status = redis.call('HGET', turn, 'status')
-if status and TERMINAL[status] then return 'terminal' end
-if redis.call('HEXISTS', turn, 'done:' .. a.stage) == 1 then return 'done' end
-if a.fence ~= '' and (redis.call('HGET', KEYS[5], 'turn') ~= a.turn_id
-                      or redis.call('HGET', KEYS[5], 'fence') ~= a.fence) then
-  return 'stale'
+local f = redis.call('HMGET', turn, 'status', 'done:' .. a.stage, 'message_id')
+if f[1] and TERMINAL[f[1]] then return 'terminal' end
+if f[2] then return 'done' end
+if a.fence ~= '' then
+  local lease = redis.call('HMGET', KEYS[5], 'turn', 'fence')
+  if lease[1] ~= a.turn_id or lease[2] ~= a.fence then return 'stale' end
 end
 if a.accept then
   local refusal = conversation_refusal(KEYS[6], KEYS[7], a.accept.conversation.tenant_id, a.accept.creates,
                                        a.accept.message_id)
   -- an accept the turn made before (a redelivery past its done marker) finds its own conversation and row
-  local again = redis.call('HGET', turn, 'message_id') == a.accept.message_id
+  local again = f[3] == a.accept.message_id
   if refusal and not (again and refusal ~= 'foreign_conversation') then return refusal end
-end
-if a.accept then
   if redis.call('EXISTS', KEYS[6]) == 0 then
-    for field, value in pairs(a.accept.conversation) do redis.call('HSET', KEYS[6], field, value) end
+    local record = {}
+    for field, value in pairs(a.accept.conversation) do
+      record[#record + 1], record[#record + 2] = field, value
+    end
+    if #record > 0 then redis.call('HSET', KEYS[6], unpack(record)) end
   end
   redis.call('HSETNX', turn, 'deadline_at', a.accept.deadline_at)
   if redis.call('HEXISTS', KEYS[7], a.accept.message_id) == 0 then
     redis.call('HSET', KEYS[7], a.accept.message_id, ARGV[4])
     redis.call('ZADD', KEYS[8], 'NX', redis.call('HINCRBY', KEYS[6], 'message_seq', 1), a.accept.message_id)
   end
-  redis.call('HSET', turn, 'message_id', a.accept.message_id)
   -- the tenant's listing, ordered by the last accepted turn; only a turn past the admit stage (whose scope
   -- matched) gets here, so no request can put another tenant's conversation in its own listing
   redis.call('ZADD', KEYS[12], a.now, a.accept.conversation_id)
 end
 if a.decision then redis.call('HSET', KEYS[11], a.turn_id .. ':' .. a.stage, a.decision) end
-redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now)
+if a.accept then
+  redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now, 'message_id', a.accept.message_id)
+else
+  redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now)
+end
 -- until a worker begins the next stage, nobody holds the turn: its message waits in a queue
 redis.call('HDEL', turn, 'holder')
 redis.call('ZADD', KEYS[4], a.now, a.turn_id)
 redis.call('SET', KEYS[3], ARGV[2], 'PX', a.artifact_ttl_ms)
-for _, json in ipairs(a.events) do emit(turn, events, json) end
+emit_all(turn, events, a.events)
 enqueue(KEYS[9], KEYS[10], a.next_id, ARGV[3], a.channel, a.next_queue)
 return 'ok'

@@ -11,32 +11,37 @@
 --       | {'unknown'} | {'terminal', status} | {'done'} | {'cancelled'} | {'timed_out'} | {'duplicate'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
-local status = redis.call('HGET', turn, 'status')
+-- every field the script reads, in one round inside the server (none of them changes below but
+-- `attempt`, which is computed here)
+local f = redis.call('HMGET', turn, 'status', 'done:' .. a.stage, 'deadline_at', 'attempt', 'conversation_id',
+                     'fence', 'handovers', 'retry_pending')
+local status, done, deadline = f[1], f[2], f[3]
 if not status then return {'unknown'} end  -- no such turn (or its record expired): nothing to run
 if TERMINAL[status] then return {'terminal', status} end
-if redis.call('HEXISTS', turn, 'done:' .. a.stage) == 1 then return {'done'} end
-local deadline = redis.call('HGET', turn, 'deadline_at')
+if done then return {'done'} end
 if a.interrupts then
   if redis.call('EXISTS', KEYS[3]) == 1 then return {'cancelled'} end
   if deadline and a.now > tonumber(deadline) then return {'timed_out'} end
 end
-local attempt = tonumber(redis.call('HGET', turn, 'attempt') or '1')
+local attempt = tonumber(f[4] or '1')
+local fields = {'stage', a.stage, 'progress_at', a.now}
 if a.claim ~= '' then
   if redis.call('EXISTS', KEYS[6]) == 1 then return {'duplicate'} end
   redis.call('SET', KEYS[6], a.claim, 'PX', a.claim_ttl_ms)
   attempt = redis.call('HINCRBY', turn, 'model_starts', 1)
-  redis.call('HSET', turn, 'attempt', attempt)
+  fields[#fields + 1], fields[#fields + 2] = 'attempt', attempt
   -- a start that no retry scheduled: the worker of the previous attempt was lost
-  if attempt > 1 and redis.call('HDEL', turn, 'retry_pending') == 0 then
-    emit(turn, events, a.redelivered, attempt)
+  if attempt > 1 then
+    if f[8] then redis.call('HDEL', turn, 'retry_pending')
+    else emit(turn, events, a.redelivered, attempt) end
   end
 end
-redis.call('HSET', turn, 'stage', a.stage, 'progress_at', a.now)
 -- the watchdog takes the turn over as soon as its holder's heartbeat no longer lists it
-if a.holder and a.holder ~= '' then redis.call('HSET', turn, 'holder', a.holder)
+if a.holder and a.holder ~= '' then fields[#fields + 1], fields[#fields + 2] = 'holder', a.holder
 else redis.call('HDEL', turn, 'holder') end
+redis.call('HSET', turn, unpack(fields))
 redis.call('ZADD', KEYS[7], a.now, a.turn_id)
 if a.started ~= '' then emit(turn, events, a.started, attempt) end
-return {'go', tostring(attempt), redis.call('GET', KEYS[4]) or '', redis.call('GET', KEYS[5]) or '',
-        redis.call('HGET', turn, 'conversation_id') or '', redis.call('HGET', turn, 'fence') or '',
-        deadline or '', redis.call('HGET', turn, 'handovers') or '0'}
+local artifacts = redis.call('MGET', KEYS[4], KEYS[5])
+return {'go', tostring(attempt), artifacts[1] or '', artifacts[2] or '', f[5] or '', f[6] or '', deadline or '',
+        f[7] or '0'}

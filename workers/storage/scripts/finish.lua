@@ -25,16 +25,20 @@
 -- Returns {'ok'} | {'already', status} | {'stale'} | {'refused', 'foreign_conversation' | 'message_exists'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
-local status = redis.call('HGET', turn, 'status')
+local f = redis.call('HMGET', turn, 'status', 'message_id', 'interrupted_by', 'rollback')
+local status = f[1]
 if status and TERMINAL[status] then return {'already', status} end
-local holder = false
-if a.conversation_id ~= '' then holder = redis.call('HGET', KEYS[9], 'turn') end
+local holder, fence = false, false
+if a.conversation_id ~= '' then
+  local lease = redis.call('HMGET', KEYS[9], 'turn', 'fence')
+  holder, fence = lease[1], lease[2]
+end
 if a.message_id ~= '' then
-  if holder ~= a.turn_id or redis.call('HGET', KEYS[9], 'fence') ~= a.fence then return {'stale'} end
+  if holder ~= a.turn_id or fence ~= a.fence then return {'stale'} end
   if redis.call('HGET', KEYS[6], 'tenant_id') ~= a.tenant_id then return {'refused', 'foreign_conversation'} end
-  if redis.call('HGET', turn, 'message_id') ~= a.message_id then return {'refused', 'message_exists'} end
-  local interrupted = a.status == 'cancelled' and redis.call('HGET', turn, 'interrupted_by')
-  if interrupted and redis.call('HGET', turn, 'rollback') == '1' then
+  if f[2] ~= a.message_id then return {'refused', 'message_exists'} end
+  local interrupted = a.status == 'cancelled' and f[3]
+  if interrupted and f[4] == '1' then
     redis.call('HDEL', KEYS[7], a.message_id)
     redis.call('ZREM', KEYS[20], a.message_id)
   else
@@ -50,11 +54,11 @@ if a.message_id ~= '' then
   redis.call('HINCRBY', KEYS[12], 'turns', 1)
   if a.activity then redis.call('ZADD', KEYS[15], a.now, a.conversation_id) end
 end
-for _, json in ipairs(a.events) do emit(turn, events, json) end
+emit_all(turn, events, a.events)
 redis.call('HSET', turn, 'status', a.status, 'finished_at', a.now)
 redis.call('ZREM', KEYS[5], a.turn_id)
-redis.call('DEL', KEYS[3], KEYS[4])
-for i = 21, #KEYS do redis.call('DEL', KEYS[i]) end
+-- the cancel flag, the model claim and the artifacts: one DEL
+redis.call('DEL', KEYS[3], KEYS[4], unpack(KEYS, 21))
 if a.webhook and redis.call('EXISTS', KEYS[16]) == 0 then
   local w = a.webhook
   local terminal = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)[1][2][2]

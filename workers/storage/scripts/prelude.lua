@@ -11,6 +11,15 @@ local function emit(turn, events, json, attempt)
   return seq
 end
 
+-- Append several events (as `emit`, without `attempt`) with one HINCRBY for their numbers.
+local function emit_all(turn, events, list)
+  if #list == 0 then return end
+  local last = redis.call('HINCRBY', turn, 'seq', #list)
+  for i, json in ipairs(list) do
+    redis.call('XADD', events, '*', 'json', '{"seq":' .. (last - #list + i) .. ',' .. string.sub(json, 2))
+  end
+end
+
 -- Enqueue a dramatiq message exactly as RedisBroker.enqueue does, and ring the doorbell.
 local function enqueue(msgs, list, id, data, channel, queue)
   redis.call('HSET', msgs, id, data)

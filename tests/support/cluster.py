@@ -1,0 +1,149 @@
+"""A real Redis Cluster on this machine, for the tests that need one: `primaries` primaries, each with
+`replicas` replicas, started with `redis-server --cluster-enabled yes` on free ports and joined with
+`redis-cli --cluster create` (both ship with Redis 7). Nothing is persisted; `stop` removes it all.
+
+    with Cluster(tmp_path) as cluster:
+        client = redis.RedisCluster.from_url(cluster.url)
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+
+def _free_port() -> int:
+    # a cluster node also listens on port + 10000 (its bus): keep both below 65536
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10_000 < 65_536:
+            return port
+
+
+@dataclass
+class Node:
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def role(self) -> str:
+        return str(self.client().execute_command("ROLE")[0].decode())
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class Cluster:
+    workdir: Path
+    primaries: int = 3
+    replicas: int = 1
+    #: How long a silent primary stays a primary before its replica takes over (ms).
+    node_timeout_ms: int = 1_000
+    nodes: list[Node] = field(default_factory=list)
+
+    @staticmethod
+    def available() -> bool:
+        return bool(shutil.which("redis-server") and shutil.which("redis-cli"))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    def start(self) -> Cluster:
+        for _ in range(self.primaries * (1 + self.replicas)):
+            port = _free_port()
+            home = self.workdir / str(port)
+            home.mkdir(parents=True)
+            proc = subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+                 "--save", "", "--appendonly", "no", "--dir", str(home)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.nodes.append(Node(port, proc))
+        for node in self.nodes:
+            _wait(lambda n=node: _pings(n.port), f"node {node.port} answers")
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        _wait(self.ready, "the cluster's slots are all served")
+        return self
+
+    def ready(self) -> bool:
+        try:
+            info = self.nodes[0].client().cluster("INFO")
+        except redis.RedisError:
+            return False
+        replicas = sum(1 for n in self.nodes if n.alive() and n.role() == "slave")
+        return _state_ok(info) and replicas == self.replicas * self.primaries
+
+    def primary_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.alive() and n.role() == "master"]
+
+    def kill(self, node: Node) -> None:
+        """SIGKILL one node (a primary dies with whatever it had not replicated yet)."""
+        node.proc.kill()
+        node.proc.wait(timeout=10)
+
+    def wait_failover(self, killed: Node, timeout_s: float = 30) -> None:
+        """Until a replica of the killed primary serves its slots and the cluster is ok again."""
+
+        def ok() -> bool:
+            for node in self.nodes:
+                if node is killed or not node.alive():
+                    continue
+                try:
+                    info = node.client().cluster("INFO")
+                except redis.RedisError:
+                    continue
+                return _state_ok(info) and len(self.primary_nodes()) == self.primaries
+            return False
+
+        _wait(ok, "a replica took over the killed primary's slots", timeout_s)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.alive():
+                node.proc.kill()
+                node.proc.wait(timeout=10)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _state_ok(info: object) -> bool:
+    """CLUSTER INFO says every slot is served (redis-py parses the reply into a dict)."""
+    state = info.get("cluster_state") if isinstance(info, dict) else None
+    return state in ("ok", b"ok")
+
+
+def _pings(port: int) -> bool:
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def _wait(predicate: object, what: str, timeout_s: float = 30) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(what)

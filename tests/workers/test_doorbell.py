@@ -1,0 +1,99 @@
+"""The doorbell's polls and rings (`worker/broker.py`): a queue that producers outside the workers
+fill is polled every `idle_poll_ms`; a queue only the workers' scripts fill (each enqueue rings: the
+delay queues, every stage's but the first) only every `delay_poll_ms`; an ack wakes its consumer
+only when the consumer let a ring pass while it was full (otherwise the fetch it would trigger
+finds the queue empty)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import dramatiq
+import pytest
+import redis
+from dramatiq.message import Message
+
+from tests.conftest import drop_prefix
+from threadline.pipeline.stages import DEFAULT_GRAPH
+from threadline.workers.settings import Settings
+from threadline.workers.worker.broker import DoorbellBroker
+
+pytestmark = pytest.mark.integration
+
+ENTRY = DEFAULT_GRAPH.first.queue
+INTERNAL = DEFAULT_GRAPH.stages[1].queue
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return dataclasses.replace(Settings.from_env({}), prefix=f"tld{uuid.uuid4().hex[:8]}", redis_url=redis_url,
+                               idle_poll_ms=2_000, delay_poll_ms=30_000)
+
+
+@pytest.fixture
+def broker(settings: Settings, redis_url: str) -> Iterator[DoorbellBroker]:
+    made = DoorbellBroker(settings=settings, url=redis_url, entry_queues=frozenset({ENTRY}))
+    dramatiq.actor(lambda envelope: None, actor_name=INTERNAL, queue_name=INTERNAL, broker=made)
+    yield made
+    made.before_shutdown()
+    made.close()
+    r = redis.Redis.from_url(redis_url)
+    drop_prefix(r, settings.prefix)
+    r.close()
+
+
+def test_queues_producers_fill_are_polled_often_the_others_rarely(broker: DoorbellBroker) -> None:
+    assert broker.consume(ENTRY).idle_s == 2.0
+    assert broker.consume(INTERNAL).idle_s == 30.0
+    assert broker.consume(f"{INTERNAL}.DQ").idle_s == 30.0
+
+
+def test_without_entry_queues_every_queue_is_polled_often(settings: Settings, redis_url: str) -> None:
+    made = DoorbellBroker(settings=settings, url=redis_url)
+    try:
+        assert made.consume(INTERNAL).idle_s == 2.0
+        assert made.consume(f"{INTERNAL}.DQ").idle_s == 30.0
+    finally:
+        made.before_shutdown()
+        made.close()
+
+
+def test_an_ack_wakes_a_consumer_that_passed_a_ring_over_while_full(broker: DoorbellBroker) -> None:
+    for i in range(2):
+        broker.enqueue(Message(queue_name=INTERNAL, actor_name=INTERNAL, args=({"turn_id": f"t{i}"},), kwargs={},
+                               options={}))
+    consumer = broker.consume(INTERNAL, prefetch=1, timeout=50)
+    time.sleep(1.0)  # the listener has subscribed (and rung once): from now on only the ack rings
+    first = next(consumer)
+    assert first is not None
+    # full now: the next look fetches nothing and waits (30 s here) until something rings
+    threading.Timer(0.3, consumer.ack, args=(first,)).start()
+    t0 = time.monotonic()
+    assert next(consumer) is None
+    assert 0.25 < time.monotonic() - t0 < 5.0
+    second = next(consumer)
+    assert second is not None and second.message_id != first.message_id
+    consumer.ack(second)
+
+
+def test_messages_put_back_without_an_enqueue_ring(broker: DoorbellBroker) -> None:
+    broker.enqueue(Message(queue_name=INTERNAL, actor_name=INTERNAL, args=({"turn_id": "t"},), kwargs={},
+                           options={}))
+    stopping = broker.consume(INTERNAL, prefetch=1, timeout=50)
+    other = broker.consume(INTERNAL, prefetch=1, timeout=50)
+    time.sleep(1.0)  # subscribed, and the subscription's own ring has landed
+    message = next(stopping)
+    assert message is not None
+    other.ring.clear()
+    stopping.requeue([message])  # as dramatiq does with a stopping worker's fetched messages
+    deadline = time.monotonic() + 5.0
+    while not other.ring.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert other.ring.is_set()
+    again = next(other)
+    assert again is not None and again.message_id == message.message_id
+    other.ack(again)
