@@ -10,7 +10,6 @@ SIGTERM/SIGINT: each child hands its turns back (`middleware/liveness.py`) withi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import subprocess
@@ -26,13 +25,13 @@ import structlog
 from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
 
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
+from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.protocol.names import queues as all_queues
 from threadline.workers.settings import Settings
 from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
 from threadline.workers.worker.actors import declare_actors
 from threadline.workers.worker.broker import DoorbellBroker
-from threadline.workers.worker.calls import default_model_calls
 from threadline.workers.worker.middleware import Boot, GiveUp, Liveness, LogContext, Metrics, Tracing
 from threadline.workers.worker.runtime import RuntimeRef
 
@@ -57,8 +56,11 @@ def create_broker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_G
         Boot(settings, url, graph, ref),
         Liveness(settings, url, ref, admit_actor=graph.first.name),  # after Boot: it needs the runtime
     ]
+    # producers outside the workers fill only the first stage's queue and the control queue (raw
+    # Redis may ring nothing): those are polled often; every other enqueue is a worker script's, which rings
     broker = DoorbellBroker(settings=settings, url=url, middleware=middleware,
-                            slow_queues=frozenset(s.queue for s in graph.of_kind("model")))
+                            slow_queues=frozenset(s.queue for s in graph.of_kind("model")),
+                            entry_queues=frozenset({graph.first.queue, CONTROL_QUEUE}))
     dramatiq.set_broker(broker)
     declare_actors(broker, graph, ref, max_retries=settings.max_retries)
     return broker
@@ -68,7 +70,6 @@ def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GR
                  threads: int | None = None) -> tuple[DoorbellBroker, dramatiq.Worker]:
     """A running worker in this process (`serve` runs one until a signal; tests run one in-process)."""
     threads = threads or settings.threads
-    settings = dataclasses.replace(settings, model_calls=settings.model_calls or default_model_calls())
     broker = create_broker(settings, url, graph=graph)
     unknown = sorted(set(queues) - set(all_queues(graph)))
     if unknown:
