@@ -13,7 +13,7 @@ one Threadline worker process (`--threads` threads), warms it up, then:
    `--py-spy`, the worker process is sampled.
 
 It prints markdown tables, per turn: commands by name; EVALSHA by script (the sha mapped back to
-`workers/storage/scripts/*.lua`, dramatiq's `dispatch.lua` named by its command) with the commands
+`workers/storage/scripts/*.lua`; `dispatch.lua`, ours or dramatiq's, named by its command) with the commands
 each runs inside and its server time; the same per stage (a script's `stage` field, or the queue a
 dramatiq command names); and where the worker's CPU goes (py-spy samples by function, self and
 inclusive, and by package). MONITOR and SLOWLOG slow the server down: the run's own CPU and
@@ -91,9 +91,12 @@ def _label(tokens: list[str], shas: dict[str, str], queues: dict[str, str]) -> t
     name = shas.get(tokens[1], f"sha:{tokens[1][:8]}")
     numkeys = int(tokens[2]) if tokens[2].isdigit() else 0
     args = tokens[3 + numkeys:]
-    if name == "dramatiq:dispatch" and len(args) >= 3:
+    if name == "dramatiq:dispatch" and len(args) >= 3:  # stock dramatiq's (the bare chain's)
         queue = args[2]
         return f"dramatiq:{args[0]}", queues.get(queue.removesuffix(".DQ"), queue)
+    if name == "dispatch" and numkeys and args:  # ours: KEYS[1] is the queue
+        queue = tokens[3].rpartition(":q:")[2].removesuffix(".msgs")
+        return f"dispatch:{args[0]}", queues.get(queue.removesuffix(".DQ"), queue)
     stage = next((m.group(1) for a in args[:1] if (m := _STAGE.search(a))), "-")
     return name, stage
 

@@ -499,7 +499,8 @@ def message_id_of_running(h: Hostile, uid: str) -> Sent:
 
 def mismatched_redis_id(h: Hostile, uid: str) -> Sent:
     """`options.redis_message_id` is not the hash field the body is stored under (docs/protocol.md says it
-    must be): dramatiq would ack another id and keep this body and its ack entry forever."""
+    must be): dramatiq would ack another id and keep this body and its ack entry forever, so the
+    consumer (which fetches ids with bodies) dead-letters it."""
     mid = f"m-{uid}"
     h.raw("resolve", [request(f"t-{uid}")], mid=mid, options={"redis_message_id": f"elsewhere-{uid}"})
     return Sent(message_id=mid, named=f"t-{uid}")
@@ -739,11 +740,6 @@ ENDS_ANOTHER_MESSAGES_TURN = (
     "run_admit ends the turn a refused message names (its request's turn id, else its message id) through "
     "Runtime.end_turn without checking that this message admitted it: a running turn ends failed/invalid_request"
 )
-BODY_KEPT = (
-    "known limitation: a producer that breaks the documented rule (options.redis_message_id must equal the "
-    "hash field) gets its turn run, but dramatiq acks another id and the body and its ack entry stay in "
-    "<queue>.msgs and the ack set; dramatiq's fetch does not return the ids it fetched, so the consumer cannot tell"
-)
 CASES: list[Case] = [
     # ids that end in the key suffixes the store uses, aimed at the victim's keys
     Case("turn id <victim>:claim", "raw resolve", unnamed_turn(turn_id=f"{V2}:claim", conversation_id=VICTIM_CID),
@@ -838,7 +834,7 @@ CASES: list[Case] = [
          Terminal("failed", "conversation_not_found")),
     # actors and control
     Case("redis_message_id is not its hash field", "raw resolve", mismatched_redis_id,
-         DeadLetter("malformed: options.redis_message_id"), bug=BODY_KEPT),
+         DeadLetter("malformed: options.redis_message_id")),
     Case("lone surrogate in the message id", "raw resolve (id bytes ED B0 80)", surrogate_message_id,
          DeadLetter("malformed: options.redis_message_id")),
     Case("unknown actor on the resolve queue", "raw resolve", unknown_actor,

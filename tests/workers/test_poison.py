@@ -17,7 +17,7 @@ from dramatiq.message import Message
 
 from tests.conftest import OwnPool, own_pool, turn
 from tests.support.wait import poll
-from threadline.workers.worker.broker import _parse_message
+from threadline.workers.worker.broker import _parse_message, _Refused
 
 pytestmark = pytest.mark.integration
 
@@ -160,6 +160,9 @@ def test_a_producer_sets_no_option_that_steers_dramatiq() -> None:
         "message_timestamp": 1, "options": {"redis_message_id": "m1", "max_retries": 10**9, "max_age": 10**12,
                                             "pipe_target": {"actor_name": "cancel"}, "on_failure": "cancel"},
     }).encode()
-    message = _parse_message(body, queue_name="resolve", actors={"resolve"})
+    message = _parse_message(body, redis_id="m1", queue_name="resolve", actors={"resolve"})
     assert isinstance(message, Message)
     assert message.options == {"redis_message_id": "m1"}
+    # stored under another hash field than it claims: its ack would remove another message
+    assert _parse_message(body, redis_id="m2", queue_name="resolve", actors={"resolve"}) == _Refused(
+        "malformed: options.redis_message_id", "resolve")

@@ -146,7 +146,7 @@ class Operations:
         for q in self.queues:
             pipe.llen(self.keys.queue(q))
             pipe.llen(self.keys.queue(f"{q}.DQ"))
-            pipe.zcard(self.keys.queue(f"{q}.XQ"))
+            pipe.zcard(self.keys.dead_queue(q))
             pipe.lrange(self.keys.queue(q), 0, OLDEST_SCAN - 1)
             for worker_id, _ in workers:
                 pipe.scard(self.keys.acks(worker_id, q))
@@ -198,7 +198,7 @@ class Operations:
         pipe = self.redis.pipeline(transaction=False)
         names = self._queues(queue)
         for q in names:
-            pipe.zrange(self.keys.queue(f"{q}.XQ"), 0, -1, withscores=True)
+            pipe.zrange(self.keys.dead_queue(q), 0, -1, withscores=True)
         reasons = self._reasons()
         letters = []
         for q, entries in zip(names, pipe.execute(), strict=True):
@@ -230,7 +230,7 @@ class Operations:
             return "missing"
         q, _, body = found
         return cast(ReplayOutcome, text(self._replay(
-            keys=[self.keys.queue(f"{q}.XQ"), self.keys.queue_messages(f"{q}.XQ"), self.keys.queue_messages(q),
+            keys=[self.keys.dead_queue(q), self.keys.dead_queue_messages(q), self.keys.queue_messages(q),
                   self.keys.queue(q)],
             args=[lua.payload(message_id=message_id, channel=self.keys.doorbell_channel(), queue=q), body,
                   _fresh(body, q)],
@@ -249,7 +249,7 @@ class Operations:
         The dead-letter stream, a capped record of what happened, stays."""
         now = time.time() if now is None else now
         cutoff = "+inf" if older_than_s is None else str(int((now - older_than_s) * 1000))
-        return sum(int(self._purge(keys=[self.keys.queue(f"{q}.XQ"), self.keys.queue_messages(f"{q}.XQ")],
+        return sum(int(self._purge(keys=[self.keys.dead_queue(q), self.keys.dead_queue_messages(q)],
                                    args=[cutoff]))
                    for q in self._queues(queue))
 
@@ -258,8 +258,8 @@ class Operations:
 
     def _find(self, message_id: str, queue: str | None) -> tuple[str, float, bytes] | None:
         for q in self._queues(queue):
-            score = self.redis.zscore(self.keys.queue(f"{q}.XQ"), message_id)
-            body = self.redis.hget(self.keys.queue_messages(f"{q}.XQ"), message_id)
+            score = self.redis.zscore(self.keys.dead_queue(q), message_id)
+            body = self.redis.hget(self.keys.dead_queue_messages(q), message_id)
             if body is not None:
                 return q, float(score or 0), cast(bytes, body)
         return None

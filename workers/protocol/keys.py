@@ -241,6 +241,14 @@ class Keys:
         """Hash: message id -> message body, for a queue."""
         return f"{self.prefix}:q:{name}.msgs"
 
+    def dead_queue(self, name: str) -> str:
+        """Sorted set: ids of the dead-lettered messages of a queue (its canonical name: a delay
+        queue's go to its queue's), scored by when (ms); `dead_queue_messages` keeps their bodies."""
+        return f"{self.prefix}:q:{name}.XQ"
+
+    def dead_queue_messages(self, name: str) -> str:
+        return f"{self.prefix}:q:{name}.XQ.msgs"
+
     def heartbeats(self) -> str:
         """Sorted set: dramatiq's worker (broker) ids scored by their last fetch (ms, the worker's clock)."""
         return f"{self.prefix}:q:__heartbeats__"

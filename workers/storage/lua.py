@@ -28,11 +28,11 @@ if TYPE_CHECKING:
 
 ScriptName = Literal[
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release", "dead_letter",
-    "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
+    "dispatch", "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
     "delete_conversation", "dead_letter_replay", "dead_letter_purge", "heartbeat", "reap", "rate_limit",
     "memory_apply", "memory_forget", "memory_note", "memory_lease", "webhook_attempt", "webhook_retry",
 ]
-#: The scripts of the turn state machine (the broker's `dead_letter`, the agent registry's `agent_*`,
+#: The scripts of the turn state machine (the broker's `dispatch` and `dead_letter`, the agent registry's `agent_*`,
 #: the operations' `dead_letter_*`, a worker's `heartbeat` and the gateway's `rate_limit` are registered by
 #: their consumers; long-term memory's `memory_*` by `storage/memory.py`).
 SCRIPT_NAMES: tuple[ScriptName, ...] = (

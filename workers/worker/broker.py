@@ -18,7 +18,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,8 @@ class DoorbellBroker(RedisBroker):
         #: that are not acked, nacked or requeued yet (`DoorbellConsumer`: what is NOT an orphan).
         self.held: dict[str, set[str]] = {}
         self.held_lock = threading.Lock()
+        self._queue_keys: dict[str, list[str]] = {}
+        self._dispatch_script = self.client.register_script(lua.source("dispatch"))
 
     @property
     def listener(self) -> Listener:
@@ -97,17 +99,47 @@ class DoorbellBroker(RedisBroker):
         same way to ack.) A stopping process does not wait."""
         while True:
             try:
-                enqueued = super().enqueue(message, delay=delay)
+                enqueued = super().enqueue(message, delay=delay)  # rings too: dispatch.lua's enqueue
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if self.closing:
                     raise
                 self._closed.wait(self.reachability.failed("enqueue", e))
         self.reachability.ok("enqueue")
-        # enqueued: a ring lost to the connection only leaves the message to the consumers' next poll
-        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-            self.client.publish(self.keys.doorbell_channel(), enqueued.queue_name)
         return enqueued
+
+    def queue_keys(self, queue_name: str) -> list[str]:
+        """KEYS of dispatch.lua (and dead_letter.lua) for a queue: the queue, its messages, this
+        worker's ack set of it, and the dead-letter set and bodies of its canonical queue."""
+        keys = self._queue_keys.get(queue_name)
+        if keys is None:
+            canonical = q_name(queue_name)
+            keys = self._queue_keys[queue_name] = [
+                self.keys.queue(queue_name), self.keys.queue_messages(queue_name),
+                self.keys.acks(self.broker_id, queue_name),
+                self.keys.dead_queue(canonical), self.keys.dead_queue_messages(canonical)]
+        return keys
+
+    def _dispatch(self, command: str) -> Callable[..., Any]:
+        """dramatiq's `do_<command>(queue_name, *args)`, run by dispatch.lua with every key in KEYS."""
+        script = self._dispatch_script
+
+        def do_dispatch(queue_name: str, *args: Any) -> Any:
+            if command == "qsize":
+                canonical = q_name(queue_name)
+                delayed = f"{canonical}.DQ"
+                keys = [self.keys.queue_messages(canonical), self.keys.acks(self.broker_id, canonical),
+                        self.keys.queue_messages(delayed), self.keys.acks(self.broker_id, delayed)]
+            else:
+                keys = self.queue_keys(queue_name)
+            if command == "enqueue":
+                args = (*args, self.keys.doorbell_channel(), queue_name)
+            elif command == "nack":
+                args = (*args, self.dead_message_ttl)
+            unpack = self._max_unpack_size()  # type: ignore[no-untyped-call]
+            return script(keys=keys, args=[command, now_ms(), unpack, *args])
+
+        return do_dispatch
 
     def _ring(self, queue_name: str) -> None:
         with self._rings_lock:
@@ -163,9 +195,10 @@ def _safe_name(value: object) -> str:
     return value if isinstance(value, str) and _SAFE_NAME.fullmatch(value) else "?"
 
 
-def _shape_problem(fields: object, queue_name: str) -> str | None:
-    """The first field that makes `fields` no message of this queue that dramatiq could process
-    without crashing a thread (a wrong `queue_name` kills the worker thread that finishes it)."""
+def _shape_problem(fields: object, queue_name: str, redis_id: str) -> str | None:
+    """The first field that makes `fields` no message of this queue, stored under `redis_id`, that
+    dramatiq could process without crashing a thread (a wrong `queue_name` kills the worker thread
+    that finishes it; an `options.redis_message_id` not its hash field would ack another message)."""
     if not isinstance(fields, dict):
         return "not_an_object"
     if any(name not in _MESSAGE_FIELDS for name in fields):
@@ -179,8 +212,8 @@ def _shape_problem(fields: object, queue_name: str) -> str | None:
             return name
     if fields["queue_name"] != queue_name:
         return "queue_name"
-    redis_id = fields["options"].get("redis_message_id")
-    if not isinstance(redis_id, str) or not _encodable(redis_id):
+    claimed = fields["options"].get("redis_message_id")
+    if claimed != redis_id or not _encodable(redis_id):
         return "options.redis_message_id"
     return None
 
@@ -194,8 +227,8 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _parse_message(data: bytes, *, queue_name: str, actors: Container[str]) -> Message[Any] | _Refused:
-    """The message in a fetched body, or why it is refused; never raises."""
+def _parse_message(data: bytes, *, redis_id: str, queue_name: str, actors: Container[str]) -> Message[Any] | _Refused:
+    """The message in a body fetched under `redis_id`, or why it is refused; never raises."""
     if json_too_deep(data):
         return _Refused("too_deep")
     try:
@@ -203,7 +236,7 @@ def _parse_message(data: bytes, *, queue_name: str, actors: Container[str]) -> M
     except Exception as e:
         cause = e.error if isinstance(e, DecodeError) and isinstance(e.error, BaseException) else e
         return _Refused(f"undecodable: {type(cause).__name__}")
-    problem = _shape_problem(fields, queue_name)
+    problem = _shape_problem(fields, queue_name, redis_id)
     actor = _safe_name(fields.get("actor_name")) if isinstance(fields, dict) else ""
     if problem is not None:
         return _Refused(f"malformed: {problem}", actor)
@@ -234,16 +267,10 @@ class DoorbellConsumer(_RedisConsumer):
         self.ring = ring
         self.idle_s = idle_ms / 1000
         self.delayed = queue_name.endswith(".DQ")
-        # The dead-letter set is the canonical queue's, as in dispatch.lua: `resolve.DQ` -> `resolve.XQ`.
+        # The dead-letter set is the canonical queue's: `resolve.DQ` -> `resolve.XQ`.
         self.canonical_queue = q_name(queue_name)
-        ns = broker.namespace
-        self._dead_letter_keys = [
-            f"{ns}:__acks__.{broker.broker_id}.{queue_name}",
-            f"{ns}:{queue_name}.msgs",
-            f"{ns}:{self.canonical_queue}.XQ",
-            f"{ns}:{self.canonical_queue}.XQ.msgs",
-            broker.keys.dead_letters(),
-        ]
+        _, bodies, acks, dead, dead_bodies = broker.queue_keys(queue_name)
+        self._dead_letter_keys = [acks, bodies, dead, dead_bodies, broker.keys.dead_letters()]
         self._dead_letter_script = broker.client.register_script(lua.source("dead_letter"))
         #: Look for orphans before the first fetch (`_requeue_orphans`).
         self._sweep = True
@@ -356,7 +383,7 @@ class DoorbellConsumer(_RedisConsumer):
                     return proxy
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()
-                fetched: list[bytes | None] = []
+                fetched: list[bytes | None] = []  # id, body (None when it is gone), id, body, ...
                 # set before the look: an ack that frees capacity after it sees the flag (`_capacity_freed`)
                 self._passed_over = True
                 if self.outstanding_message_count < self.prefetch and not self.broker.closing:
@@ -378,19 +405,22 @@ class DoorbellConsumer(_RedisConsumer):
         return self.idle_s
 
     def _admit(self, fetched: list[bytes | None]) -> list[dramatiq.MessageProxy]:
-        """The batch's messages; refused bodies and ids without a body are dead-lettered first, in
-        one script, so that nothing of them stays in the ack set (normal batches: no extra call)."""
+        """The batch's messages (`fetched`: dispatch.lua's id, body pairs); refused bodies and ids
+        without a body are dead-lettered first, in one script, so that nothing of them stays in the
+        ack set (normal batches: no extra call)."""
         admitted: list[dramatiq.MessageProxy] = []
         refused: list[tuple[bytes, _Refused]] = []
-        for data in fetched:
-            if data is None:
+        bodies = fetched[1::2]
+        for redis_id, data in zip(fetched[::2], bodies, strict=True):
+            if data is None or redis_id is None:
                 continue
-            parsed = _parse_message(data, queue_name=self.queue_name, actors=self.broker.actors)
+            parsed = _parse_message(data, redis_id=redis_id.decode("utf-8", "surrogatepass"),
+                                    queue_name=self.queue_name, actors=self.broker.actors)
             if isinstance(parsed, _Refused):
                 refused.append((data, parsed))
             else:
                 admitted.append(dramatiq.MessageProxy(parsed))
-        missing = len(admitted) + len(refused) < len(fetched)
+        missing = len(admitted) + len(refused) < len(bodies)
         if refused or missing:
             self._dead_letter(refused, sweep=missing)
         return admitted
