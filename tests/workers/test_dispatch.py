@@ -16,6 +16,7 @@ import pytest
 import redis
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.message import Message
+from redis.crc import key_slot
 
 from tests.conftest import drop_prefix
 from tests.support.wait import wait_until
@@ -145,3 +146,23 @@ def test_the_commands_write_no_heartbeat_and_purge_empties_the_queue(
     assert not any(r.exists(k) for k in ours.queue_keys(QUEUE))
     with pytest.raises(redis.ResponseError, match="unknown dispatch command"):
         ours.do_frobnicate(QUEUE)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("queue", [f"{QUEUE}{{s3}}", f"{QUEUE}{{s3}}.DQ"])
+def test_a_queue_named_with_a_hash_tag_keeps_every_call_in_one_slot(
+    ours: DoorbellBroker, r: redis.Redis, settings: Settings, queue: str
+) -> None:
+    """dramatiq's dispatch.lua builds its key names inside Lua from the namespace alone, which no
+    cluster can route; ours is given them, and a shard's queue (a name with a hash tag) has all of
+    them, its delay queue's and its dead letters' included, in the tag's slot. Every command then
+    runs as on any queue."""
+    slots = {command: {key_slot(k.encode()) for k in ours.dispatch_keys(command, queue)}
+             for command in ("enqueue", "fetch", "ack", "nack", "requeue", "purge", "qsize")}
+    assert all(found == {key_slot(b"s3")} for found in slots.values()), slots
+    ours.declare_queue(queue.removesuffix(".DQ"))
+    sent = ours.enqueue(Message(queue_name=queue, actor_name=QUEUE, args=("x",), kwargs={}, options={}))
+    redis_id = sent.options["redis_message_id"]
+    assert ours.do_fetch(queue, 5) == [redis_id.encode(), sent.encode()]
+    assert ours.do_qsize(queue) == 2  # type: ignore[attr-defined]  # its body and its ack entry
+    ours.do_nack(queue, redis_id)
+    assert r.hget(Keys(settings.prefix).dead_queue_messages(f"{QUEUE}{{s3}}"), redis_id) == sent.encode()

@@ -120,18 +120,22 @@ class DoorbellBroker(RedisBroker):
                 self.keys.dead_queue(canonical), self.keys.dead_queue_messages(canonical)]
         return keys
 
+    def dispatch_keys(self, command: str, queue_name: str) -> list[str]:
+        """KEYS of one dispatch.lua call. A queue's keys share its name, so a queue named with a hash
+        tag (a shard's: `resolve{s3}`) keeps every call in one Redis Cluster slot."""
+        if command != "qsize":
+            return self.queue_keys(queue_name)
+        canonical = q_name(queue_name)
+        delayed = f"{canonical}.DQ"
+        return [self.keys.queue_messages(canonical), self.keys.acks(self.broker_id, canonical),
+                self.keys.queue_messages(delayed), self.keys.acks(self.broker_id, delayed)]
+
     def _dispatch(self, command: str) -> Callable[..., Any]:
         """dramatiq's `do_<command>(queue_name, *args)`, run by dispatch.lua with every key in KEYS."""
         script = self._dispatch_script
 
         def do_dispatch(queue_name: str, *args: Any) -> Any:
-            if command == "qsize":
-                canonical = q_name(queue_name)
-                delayed = f"{canonical}.DQ"
-                keys = [self.keys.queue_messages(canonical), self.keys.acks(self.broker_id, canonical),
-                        self.keys.queue_messages(delayed), self.keys.acks(self.broker_id, delayed)]
-            else:
-                keys = self.queue_keys(queue_name)
+            keys = self.dispatch_keys(command, queue_name)
             if command == "enqueue":
                 args = (*args, self.keys.doorbell_channel(), queue_name)
             elif command == "nack":
