@@ -1,8 +1,7 @@
 """The doorbell's polls and rings (`worker/broker.py`): a queue that producers outside the workers
 fill is polled every `idle_poll_ms`; a queue only the workers' scripts fill (each enqueue rings: the
-delay queues, every stage's but the first) only every `delay_poll_ms`; an ack wakes its consumer
-only when the consumer let a ring pass while it was full (otherwise the fetch it would trigger
-finds the queue empty)."""
+delay queues, every stage's but the first) only every `delay_poll_ms`; an ack wakes its consumer,
+which sends it with its next fetch (one round trip), and answers a ring passed over while full."""
 
 from __future__ import annotations
 
@@ -78,6 +77,29 @@ def test_an_ack_wakes_a_consumer_that_passed_a_ring_over_while_full(broker: Door
     second = next(consumer)
     assert second is not None and second.message_id != first.message_id
     consumer.ack(second)
+
+
+def test_an_ack_rides_on_the_next_fetch_and_a_closing_consumer_sends_its_own(broker: DoorbellBroker) -> None:
+    """One round trip acks a message and fetches the next: until it is sent, the acked message stays
+    in the ack set and held (not an orphan to put back)."""
+    sent = [broker.enqueue(Message(queue_name=INTERNAL, actor_name=INTERNAL, args=({"turn_id": f"t{i}"},),
+                                   kwargs={}, options={})) for i in range(2)]
+    ids = [m.options["redis_message_id"] for m in sent]
+    acks, bodies = broker.keys.acks(broker.broker_id, INTERNAL), broker.keys.queue_messages(INTERNAL)
+    consumer = broker.consume(INTERNAL, prefetch=1, timeout=50)
+    first = next(consumer)
+    assert first is not None and first.options["redis_message_id"] == ids[0]
+    consumer.ack(first)
+    assert broker.client.sismember(acks, ids[0]) and ids[0] in broker.held[INTERNAL]
+    assert consumer.ring.is_set()  # the ack woke the consumer, to send it
+    second = next(consumer)
+    assert second is not None and second.options["redis_message_id"] == ids[1]
+    assert not broker.client.sismember(acks, ids[0]) and not broker.client.hexists(bodies, ids[0])
+    assert broker.held[INTERNAL] == {ids[1]}
+    consumer.ack(second)
+    consumer.close()
+    assert broker.client.scard(acks) == 0 and broker.client.hlen(bodies) == 0
+    assert broker.held[INTERNAL] == set()
 
 
 def test_messages_put_back_without_an_enqueue_ring(broker: DoorbellBroker) -> None:

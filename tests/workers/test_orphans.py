@@ -76,6 +76,7 @@ def test_a_new_consumer_puts_back_what_the_lost_one_had_fetched_and_keeps_what_i
     for message in got:
         assert message is not None
         fresh.ack(message)
+    fresh.close()  # sends the acks that would ride on its next fetch
     assert acks(broker) == set() and queued(broker) == []
 
 
@@ -89,7 +90,7 @@ def test_a_fetch_whose_reply_was_lost_is_put_back(broker: DoorbellBroker) -> Non
     assert message is not None and message.options["redis_message_id"] == orphan
 
 
-def test_a_message_whose_ack_failed_stays_held(broker: DoorbellBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_message_whose_ack_was_not_sent_stays_held(broker: DoorbellBroker, monkeypatch: pytest.MonkeyPatch) -> None:
     (only,) = enqueue(broker, 1)
     first = broker.consume(QUEUE, prefetch=1, timeout=50)
     message = next(first)
@@ -98,15 +99,18 @@ def test_a_message_whose_ack_failed_stays_held(broker: DoorbellBroker, monkeypat
     def unreachable(*args: object) -> None:
         raise redis.ConnectionError("Connection refused")
 
+    first.ack(message)  # sent with the consumer's next look
     with monkeypatch.context() as patched:
-        patched.setattr(broker, "do_ack", unreachable, raising=False)  # the server is gone for this ack
+        patched.setattr(broker, "do_fetch", unreachable, raising=False)  # the server is gone for that look
         with pytest.raises(ConnectionClosed):
-            first.ack(message)
-    # dramatiq retries the ack on whichever consumer is current: a new one must not have requeued it
+            next(first)
+    assert acks(broker) == {only}
+    # dramatiq makes a new consumer: it must not requeue the message, and it sends the ack with its fetch
+    (later,) = enqueue(broker, 1)
     fresh = broker.consume(QUEUE, prefetch=1, timeout=50)
-    assert next(fresh) is None and queued(broker) == [] and acks(broker) == {only}
-    fresh.ack(message)
-    assert acks(broker) == set()
+    taken = next(fresh)
+    assert taken is not None and taken.options["redis_message_id"] == later
+    assert queued(broker) == [] and acks(broker) == {later}
 
 
 def test_a_delay_queues_handed_out_messages_are_put_back_with_its_next_consumer(broker: DoorbellBroker) -> None:

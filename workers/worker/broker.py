@@ -65,6 +65,9 @@ class DoorbellBroker(RedisBroker):
         #: Per queue, the redis ids of the messages this process's consumers handed to dramatiq and
         #: that are not acked, nacked or requeued yet (`DoorbellConsumer`: what is NOT an orphan).
         self.held: dict[str, set[str]] = {}
+        #: Per queue, the redis ids of messages acked and not yet sent: the queue's consumer sends them
+        #: with its next fetch (`DoorbellConsumer._send_acks`); they stay held until then.
+        self.unsent_acks: dict[str, list[str]] = {}
         self.held_lock = threading.Lock()
         self._queue_keys: dict[str, list[str]] = {}
         self._dispatch_script = self.client.register_script(lua.source("dispatch"))
@@ -278,8 +281,6 @@ class DoorbellConsumer(_RedisConsumer):
         self._dead_letter_script = broker.client.register_script(lua.source("dead_letter"))
         #: Look for orphans before the first fetch (`_requeue_orphans`).
         self._sweep = True
-        #: Set while the consumer may have let a ring pass at full capacity: the next ack rings again.
-        self._passed_over = False
 
     def ack(self, message: dramatiq.MessageProxy) -> None:
         if self.broker.calls.defer_ack(message, self):
@@ -304,11 +305,48 @@ class DoorbellConsumer(_RedisConsumer):
                 self.broker._closed.wait(1.0)
 
     def _ack(self, message: dramatiq.MessageProxy) -> None:
+        """Acks ride on the consumer's next fetch, which the ack wakes: one round trip for a message
+        done and the next one taken, not two. The message stays held (no orphan) until its ack is
+        sent; a stopping process sends it at once, as dramatiq does."""
+        if self.broker.closing:
+            try:
+                super().ack(message)  # type: ignore[no-untyped-call]
+                self._release(message)  # not when the ack failed: dramatiq tries it again, and it is still held
+            finally:
+                self.ring.set()
+            return
+        with self.broker.held_lock:
+            self.broker.unsent_acks.setdefault(self.queue_name, []).append(message.options["redis_message_id"])
+        self.queued_message_ids.discard(message.message_id)  # what dramatiq's ack does locally
+        self.ring.set()
+
+    def _send_acks(self, fetch: int) -> list[bytes | None]:
+        """Send the queue's unsent acks, with a fetch of up to `fetch` messages (0: none) in the same
+        call; the fetched (id, body, ...). Acks a lost connection kept from Redis are sent next time."""
+        with self.broker.held_lock:
+            acks = self.broker.unsent_acks.pop(self.queue_name, [])
+        if not acks and not fetch:
+            return []
+        fetched: list[bytes | None] = []
         try:
-            super().ack(message)  # type: ignore[no-untyped-call]
-            self._release(message)  # not when the ack failed: dramatiq tries it again, and it is still held
-        finally:
-            self._capacity_freed()
+            if fetch:
+                fetched = self.broker.do_fetch(self.queue_name, fetch, *acks)
+            else:
+                self.broker.do_ack(self.queue_name, *acks)
+        except redis.RedisError:
+            with self.broker.held_lock:
+                self.broker.unsent_acks[self.queue_name] = acks + self.broker.unsent_acks.get(self.queue_name, [])
+            raise
+        if acks:
+            with self.broker.held_lock:
+                held = self.broker.held.get(self.queue_name, set())
+                held.difference_update(acks)
+        return fetched
+
+    def close(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self._send_acks(0)
+        super().close()  # type: ignore[no-untyped-call]
 
     def nack(self, message: dramatiq.MessageProxy) -> None:
         """dramatiq nacks a message for an actor it does not know (`ConsumerThread.handle_message`)
@@ -324,14 +362,7 @@ class DoorbellConsumer(_RedisConsumer):
             self._release(message)
             self._record_nack(message)
         finally:
-            self._capacity_freed()
-
-    def _capacity_freed(self) -> None:
-        """Fetch again now if the consumer let a ring pass while it was full; otherwise every ring
-        was answered with a fetch already, and one more would find the queue empty."""
-        if self._passed_over:
-            self._passed_over = False
-            self.ring.set()
+            self.ring.set()  # capacity freed: a ring passed over while the consumer was full is answered
 
     def requeue(self, messages: Iterable[dramatiq.MessageProxy]) -> None:
         listed = list(messages)
@@ -387,12 +418,9 @@ class DoorbellConsumer(_RedisConsumer):
                     return proxy
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()
-                fetched: list[bytes | None] = []  # id, body (None when it is gone), id, body, ...
-                # set before the look: an ack that frees capacity after it sees the flag (`_capacity_freed`)
-                self._passed_over = True
-                if self.outstanding_message_count < self.prefetch and not self.broker.closing:
-                    self._passed_over = False
-                    fetched = self.broker.do_fetch(self.queue_name, self.prefetch - self.outstanding_message_count)
+                room = 0 if self.broker.closing else max(0, self.prefetch - self.outstanding_message_count)
+                fetched = self._send_acks(room)  # id, body (None when it is gone), id, body, ...
+                if room:
                     self.broker.reachability.ok(self.queue_name)
                     self.message_cache = self._admit(fetched)
                 if not fetched:

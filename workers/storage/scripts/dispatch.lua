@@ -19,7 +19,13 @@ if command == 'enqueue' then
   -- id, body, doorbell channel, queue name
   enqueue(KEYS[2], KEYS[1], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
   return 1
-elseif command == 'fetch' then
+elseif command == 'fetch' or command == 'ack' then
+  -- ack: ids; fetch: how many, then the ids of messages to ack first (the consumer's unsent acks)
+  local first = command == 'fetch' and 5 or 4
+  for i = first, #ARGV do
+    if redis.call('SREM', KEYS[3], ARGV[i]) > 0 then redis.call('HDEL', KEYS[2], ARGV[i]) end
+  end
+  if command == 'ack' then return 1 end
   local ids = {}
   for _ = 1, math.min(tonumber(ARGV[4]), max_unpack) do
     local id = redis.call('LPOP', KEYS[1])
@@ -33,9 +39,6 @@ elseif command == 'fetch' then
     out[2 * i - 1], out[2 * i] = id, bodies[i]
   end
   return out
-elseif command == 'ack' then
-  if redis.call('SREM', KEYS[3], ARGV[4]) > 0 then redis.call('HDEL', KEYS[2], ARGV[4]) end
-  return 1
 elseif command == 'nack' then
   -- id, dead-letter ttl (ms)
   local id = ARGV[4]
