@@ -82,7 +82,8 @@ class Status:
     #: Worker processes whose heartbeat has not expired (it expires `TL_WORKER_TIMEOUT_S` after the
     #: last renewal, and goes at once when a process stops).
     workers_alive: int
-    #: Worker ids still in dramatiq's heartbeat set (dead ones stay until dramatiq's maintenance drops them).
+    #: Worker ids still in dramatiq's heartbeat set (written by each worker's heartbeat; a dead one stays
+    #: until the watchdog's reap has put its fetched messages back).
     workers_known: int
     turns: InFlight
     #: The live worker processes, by worker id.
