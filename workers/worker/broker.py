@@ -346,7 +346,7 @@ class DoorbellConsumer(_RedisConsumer):
     def close(self) -> None:
         with contextlib.suppress(redis.RedisError):
             self._send_acks(0)
-        super().close()  # type: ignore[no-untyped-call]
+        super().close()
 
     def nack(self, message: dramatiq.MessageProxy) -> None:
         """dramatiq nacks a message for an actor it does not know (`ConsumerThread.handle_message`)
