@@ -3,6 +3,7 @@ variables."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -502,8 +503,11 @@ def config_to_json(config: AgentConfig) -> str:
     return config.model_dump_json()
 
 
+@functools.lru_cache(maxsize=256)
 def config_from_json(text: str | bytes) -> AgentConfig:
-    """A config as `agents put` stored it (already checked for credentials)."""
+    """A config as `agents put` stored it (already checked for credentials). Every turn's admit
+    reads its agent's config, most often the same text: the model is frozen and depends on the text
+    alone, so it is parsed once."""
     return AgentConfig.model_validate(json.loads(text), context=TRUSTED)
 
 

@@ -4,6 +4,7 @@ credentials in URLs, and the configured key values themselves."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -50,6 +51,11 @@ _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@?#\"'<>]+@")
 _QUERY_KEY = re.compile(r"(?i)(?<=[?&])(key|sig|signature)=[^&#\s\"'<>]+")
 _FIELD_HINTS = ("auth", "key", "token", "secret", "passw", "credential")
 _KEY_HINTS = ("sk-", "gsk_", "xai-", "hf_", "AIza", "AKIA", "ASIA", "eyJ", "gh", "github_pat_", "glpat-", "xox")
+# The same substring tests as one scan each: every log line runs them on each of its strings.
+_FIELD_HINT = re.compile("|".join(map(re.escape, _FIELD_HINTS)))
+_KEY_HINT = re.compile("|".join(map(re.escape, _KEY_HINTS)))
+#: Names longer than this are matched each time rather than remembered (`is_secret_name`).
+_CACHED_NAME_CHARS = 100
 # What makes a bearer token in a config document: long, and not a plain word.
 _BEARER_CREDENTIAL = re.compile(r"(?i)\bbearer\s+(?=[A-Za-z._~+/=-]*\d)[A-Za-z0-9._~+/=-]{16,}")
 
@@ -57,23 +63,32 @@ _BEARER_CREDENTIAL = re.compile(r"(?i)\bbearer\s+(?=[A-Za-z._~+/=-]*\d)[A-Za-z0-
 def is_secret_name(name: str) -> bool:
     """True for field and header names that hold credentials: `api_key`, `x-goog-api-key`,
     `Authorization`, `client_secret`, `accessToken`, `password`, `credentials`, ..."""
+    # every log line asks about each of its keys, and they are mostly the same few names
+    return _is_secret_name(name) if len(name) <= _CACHED_NAME_CHARS else _matches_secret_name(name)
+
+
+def _matches_secret_name(name: str) -> bool:
     return _SECRET_NAME.fullmatch(name) is not None
+
+
+_is_secret_name = functools.lru_cache(maxsize=4096)(_matches_secret_name)
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
     """`text` with every credential it holds replaced by `***`: the given secret values (6+
     characters, verbatim), values of fields named like secrets, bearer tokens, key-shaped strings
     and credentials in URLs. Idempotent."""
-    for secret in sorted((s for s in secrets if len(s) >= MIN_SECRET_CHARS), key=len, reverse=True):
-        if secret in text:
-            text = text.replace(secret, MASK)
-    # Substring tests first: most text holds nothing to scrub, and `in` is far cheaper than a scan.
+    if secrets:
+        for secret in sorted((s for s in secrets if len(s) >= MIN_SECRET_CHARS), key=len, reverse=True):
+            if secret in text:
+                text = text.replace(secret, MASK)
+    # Substring tests first: most text holds nothing to scrub, and they are far cheaper than a scan.
     lowered = text.lower()
-    if any(hint in lowered for hint in _FIELD_HINTS):
+    if _FIELD_HINT.search(lowered):
         text = _FIELD.sub(_mask_value, text)
     if "bearer" in lowered:
         text = _BEARER.sub(rf"\1 {MASK}", text)
-    if any(hint in text for hint in _KEY_HINTS):
+    if _KEY_HINT.search(text):
         text = _KEY_SHAPE.sub(_mask_key, text)
     if "://" in text:
         text = _URL_USERINFO.sub(rf"\1{MASK}@", text)

@@ -1,6 +1,7 @@
 """What a worker process holds while it runs — settings, the stage graph, the store, the cancel
-registry, a cache of agents — and the one function that ends a turn before its finish stage
-(bad input, cancel, deadline, a message that exhausted its retries, a turn recovered too often).
+registry, a cache of agents, one of the turns its stages read — and the one function that ends a
+turn before its finish stage (bad input, cancel, deadline, a message that exhausted its retries, a
+turn recovered too often).
 
 Actors reach their runtime through the `RuntimeRef` they were declared with (set when the worker
 boots), never through a process global: two workers can live in one process, as in tests.
@@ -8,6 +9,7 @@ boots), never through a process global: two workers can live in one process, as 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -38,6 +40,25 @@ from threadline.workers.worker.token_counting import LocalCounter, ProviderCount
 from threadline.workers.worker.tokenizers import load_tokenizer
 
 log = structlog.get_logger(__name__)
+
+#: Turns of which a process keeps the parsed `admitted` artifact (and its text): more than pass
+#: through it between two of a turn's stages, as a rule; a turn that fell out is parsed again.
+ADMITTED_CACHE_SIZE = 256
+#: Artifacts longer than this (a long query or context) are parsed each time, not kept: the cache
+#: stays under ADMITTED_CACHE_SIZE times 64 KiB.
+ADMITTED_CACHE_MAX_BYTES = 64 * 1024
+
+
+def admitted_turn(raw: str | bytes) -> ResolvedTurn:
+    """The resolved turn of an `admitted` artifact (the JSON `resolve` stored). Every later stage of a
+    turn reads it, often in a process that read it for an earlier one: the record is frozen and
+    depends on the text alone, so one parse serves them all instead of one each."""
+    return _parse_admitted(raw) if len(raw) <= ADMITTED_CACHE_MAX_BYTES else _parse_admitted.__wrapped__(raw)
+
+
+@functools.lru_cache(maxsize=ADMITTED_CACHE_SIZE)
+def _parse_admitted(raw: str | bytes) -> ResolvedTurn:
+    return ResolvedTurn.model_validate_json(raw, context=TRUSTED)
 
 
 class Runtime:
@@ -167,7 +188,7 @@ class Runtime:
         state = await self.store.turn_state(turn_id)
         if resolved is None and state.message_id:
             raw = await self.store.artifact(turn_id, self.graph.first.name)
-            resolved = ResolvedTurn.model_validate_json(raw, context=TRUSTED) if raw else None
+            resolved = admitted_turn(raw) if raw else None
         accepted = resolved if resolved is not None and state.message_id else None
         event = events.terminal(
             turn_id, state.attempt, status, code=code, message=message,

@@ -13,7 +13,6 @@ from dramatiq.middleware import CurrentMessage
 from pydantic import ValidationError
 
 from threadline.pipeline import events
-from threadline.pipeline.config import TRUSTED
 from threadline.pipeline.contracts import (
     Envelope,
 )
@@ -21,7 +20,7 @@ from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.stages import Stage
 from threadline.workers.storage.turns import Begin, Next
 from threadline.workers.telemetry import tracing
-from threadline.workers.worker.runtime import Runtime
+from threadline.workers.worker.runtime import Runtime, admitted_turn
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +82,7 @@ async def start_stage(rt: Runtime, stage: Stage, env: Envelope, *, claim: str = 
                                  claim=claim, started=started, attempt_hint=env.attempt, holder=rt.worker_id)
     if await stopped(rt, begin, env.turn_id, stage):
         return None
-    turn = ResolvedTurn.model_validate_json(begin.admitted, context=TRUSTED)
+    turn = admitted_turn(begin.admitted)
     structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
     tracing.annotate(conversation_id=turn.conversation_id, attempt=begin.attempt)
     return Started(env, begin, turn, t0)
