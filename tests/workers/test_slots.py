@@ -133,7 +133,10 @@ def test_retries_model_slots_webhooks_and_memory_cross_only_where_known(
         wait_until(lambda: receiver.delivered() == [first], timeout_s=30)
         conversation = client.turn_state(first).conversation_id
         ids = {first, conversation, agent, "t1/u1"}  # the model slots are the agent's, the memory the user's
-        wait_until(lambda: "memory_apply" in script_slots(list(commands), ids), timeout_s=30)
+        # the attempt is recorded after the receiver answered, and memory is applied after the turn:
+        # both after what the waits above saw
+        wait_until(lambda: {"memory_apply", "webhook_attempt"} <= set(script_slots(list(commands), ids)),
+                   timeout_s=30)
     slots = script_slots(commands, ids)
     assert {"retry", "slot_acquire", "slot_release", "webhook_attempt", "memory_apply"} <= set(slots), sorted(slots)
     crossing = {name for name, calls in slots.items() if any(len(s) > 1 for s in calls)}
