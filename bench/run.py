@@ -15,7 +15,10 @@ five-actor dramatiq chain (`bench/bare_chain.py`) side by side, then prints one 
    - a burst: `--throughput-turns` turns on new conversations (chains) submitted at once, timed
      until the last terminal event, with the worker CPU, server CPU and server commands it cost
      per turn (the capacity story: a burst from idle is dominated by the bare chain's backoff);
-   - saturated: `--inflight` turns kept in flight (closed loop) for `--saturate-s`;
+   - saturated: `--inflight` turns kept in flight (closed loop) for `--saturate-s` (30 s: the bare
+     chain's chains advance in lockstep, each hop waiting out dramatiq's poll, and finish in
+     groups of `--inflight`, so its rate comes in steps of that many per window; a short window
+     made its figure, and every ratio against it, jump by up to 2x between runs);
    and finally 16 streaming turns of ~0.5 s model time at once (how many model calls a process
    runs concurrently).
 
@@ -118,9 +121,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
                         help="turns per throughput run (default 200; quick 50)")
     parser.add_argument("--inflight", type=int, default=50,
                         help="turns kept in flight in the saturated runs (default 50)")
-    parser.add_argument("--saturate-s", type=float, help="saturated run length (default 6; quick 4)")
+    parser.add_argument("--saturate-s", type=float, help="saturated run length (default 30; quick 4)")
     parser.add_argument("--saturate-warmup-s", type=float,
-                        help="part of a saturated run not counted (default 1.5; quick 1)")
+                        help="part of a saturated run not counted (default 2; quick 1)")
     parser.add_argument("--settle-s", type=float, help="quiet between throughput runs (default 2; quick 1)")
     parser.add_argument("--warmup-rounds", type=int, help="unmeasured turns per system first (default 3; quick 1)")
     parser.add_argument("--phases", default=",".join(PHASES),
@@ -150,8 +153,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         spacing_s=pick(a.spacing_s, 1.0, 0.5),
         throughput_turns=pick(a.throughput_turns, 200, 50),
         inflight=a.inflight,
-        saturate_s=pick(a.saturate_s, 6.0, 4.0),
-        saturate_warmup_s=pick(a.saturate_warmup_s, 1.5, 1.0),
+        saturate_s=pick(a.saturate_s, 30.0, 4.0),
+        saturate_warmup_s=pick(a.saturate_warmup_s, 2.0, 1.0),
         phases=phases,
         settle_s=pick(a.settle_s, 2.0, 1.0),
         warmup_rounds=pick(a.warmup_rounds, 3, 1),
