@@ -26,6 +26,7 @@ from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
 from threadline.workers.storage.embedded import ensure_embedded
 from threadline.workers.storage.store import Store
+from threadline.workers.worker.broker import DoorbellBroker
 from threadline.workers.worker.process import start_worker
 
 # Hypothesis' per-example deadline is wall time: on a loaded machine it fails examples that are only
@@ -45,6 +46,15 @@ def drop_prefix(r: redis.Redis, prefix: str) -> None:
     """Delete every key under `prefix` (what a test wrote on a prefix of its own)."""
     for key in r.scan_iter(f"{prefix}:*", count=1000):
         r.delete(key)
+
+
+def close_broker(broker: DoorbellBroker, redis_url: str) -> None:
+    """Stop a broker a test made (its consumers wake and fetch no more) and drop its prefix's keys."""
+    broker.before_shutdown()
+    broker.close()
+    r = redis.Redis.from_url(redis_url)
+    drop_prefix(r, broker.settings.prefix)
+    r.close()
 
 
 @pytest.fixture(scope="session")

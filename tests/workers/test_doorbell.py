@@ -13,10 +13,9 @@ from collections.abc import Iterator
 
 import dramatiq
 import pytest
-import redis
 from dramatiq.message import Message
 
-from tests.conftest import drop_prefix
+from tests.conftest import close_broker
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.settings import Settings
 from threadline.workers.worker.broker import DoorbellBroker
@@ -38,11 +37,7 @@ def broker(settings: Settings, redis_url: str) -> Iterator[DoorbellBroker]:
     made = DoorbellBroker(settings=settings, url=redis_url, entry_queues=frozenset({ENTRY}))
     dramatiq.actor(lambda envelope: None, actor_name=INTERNAL, queue_name=INTERNAL, broker=made)
     yield made
-    made.before_shutdown()
-    made.close()
-    r = redis.Redis.from_url(redis_url)
-    drop_prefix(r, settings.prefix)
-    r.close()
+    close_broker(made, redis_url)
 
 
 def test_queues_producers_fill_are_polled_often_the_others_rarely(broker: DoorbellBroker) -> None:

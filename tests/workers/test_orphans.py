@@ -16,7 +16,7 @@ from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from prometheus_client import REGISTRY
 
-from tests.conftest import drop_prefix
+from tests.conftest import close_broker
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.settings import Settings
 from threadline.workers.worker.broker import DoorbellBroker, DoorbellConsumer
@@ -32,11 +32,7 @@ def broker(redis_url: str) -> Iterator[DoorbellBroker]:
     settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlo{uuid.uuid4().hex[:8]}", redis_url=redis_url)
     made = create_broker(settings, redis_url)
     yield made
-    made.before_shutdown()
-    made.close()
-    r = redis.Redis.from_url(redis_url)
-    drop_prefix(r, settings.prefix)
-    r.close()
+    close_broker(made, redis_url)
 
 
 def enqueue(broker: DoorbellBroker, n: int) -> list[str]:
