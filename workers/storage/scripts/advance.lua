@@ -17,7 +17,7 @@
 -- (the message id names a row the turn did not write: its id was used before)
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
-local f = redis.call('HMGET', turn, 'status', 'done:' .. a.stage, 'message_id')
+local f = redis.call('HMGET', turn, 'status', 'done:' .. a.stage, 'message_id', 'seq')
 if f[1] and TERMINAL[f[1]] then return 'terminal' end
 if f[2] then return 'done' end
 if a.fence ~= '' then
@@ -47,15 +47,17 @@ if a.accept then
   redis.call('ZADD', KEYS[12], a.now, a.accept.conversation_id)
 end
 if a.decision then redis.call('HSET', KEYS[11], a.turn_id .. ':' .. a.stage, a.decision) end
+-- the events are numbered from the `seq` read above, written back with the stage's done marker
+local seq = append_events(events, tonumber(f[4] or '0'), a.events)
 if a.accept then
-  redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now, 'message_id', a.accept.message_id)
+  redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now, 'seq', seq,
+             'message_id', a.accept.message_id)
 else
-  redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now)
+  redis.call('HSET', turn, 'done:' .. a.stage, a.now, 'progress_at', a.now, 'seq', seq)
 end
 -- until a worker begins the next stage, nobody holds the turn: its message waits in a queue
 redis.call('HDEL', turn, 'holder')
 redis.call('ZADD', KEYS[4], a.now, a.turn_id)
 redis.call('SET', KEYS[3], ARGV[2], 'PX', a.artifact_ttl_ms)
-emit_all(turn, events, a.events)
 enqueue(KEYS[9], KEYS[10], a.next_id, ARGV[3], a.channel, a.next_queue)
 return 'ok'

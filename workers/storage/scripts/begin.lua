@@ -12,9 +12,9 @@
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
 -- every field the script reads, in one round inside the server (none of them changes below but
--- `attempt`, which is computed here)
+-- `attempt`, `model_starts` and `seq`, which are computed here)
 local f = redis.call('HMGET', turn, 'status', 'done:' .. a.stage, 'deadline_at', 'attempt', 'conversation_id',
-                     'fence', 'handovers', 'retry_pending')
+                     'fence', 'handovers', 'retry_pending', 'seq', 'model_starts')
 local status, done, deadline = f[1], f[2], f[3]
 if not status then return {'unknown'} end  -- no such turn (or its record expired): nothing to run
 if TERMINAL[status] then return {'terminal', status} end
@@ -25,23 +25,30 @@ if a.interrupts then
 end
 local attempt = tonumber(f[4] or '1')
 local fields = {'stage', a.stage, 'progress_at', a.now}
+-- events are numbered from the `seq` read above, written back with the fields below
+local seq = tonumber(f[9] or '0')
 if a.claim ~= '' then
   if redis.call('EXISTS', KEYS[6]) == 1 then return {'duplicate'} end
   redis.call('SET', KEYS[6], a.claim, 'PX', a.claim_ttl_ms)
-  attempt = redis.call('HINCRBY', turn, 'model_starts', 1)
+  attempt = tonumber(f[10] or '0') + 1
+  fields[#fields + 1], fields[#fields + 2] = 'model_starts', attempt
   fields[#fields + 1], fields[#fields + 2] = 'attempt', attempt
   -- a start that no retry scheduled: the worker of the previous attempt was lost
   if attempt > 1 then
     if f[8] then redis.call('HDEL', turn, 'retry_pending')
-    else emit(turn, events, a.redelivered, attempt) end
+    else seq = seq + 1; append_event(events, seq, a.redelivered, attempt) end
   end
 end
 -- the watchdog takes the turn over as soon as its holder's heartbeat no longer lists it
 if a.holder and a.holder ~= '' then fields[#fields + 1], fields[#fields + 2] = 'holder', a.holder
 else redis.call('HDEL', turn, 'holder') end
+if a.started ~= '' then
+  seq = seq + 1
+  append_event(events, seq, a.started, attempt)
+end
+fields[#fields + 1], fields[#fields + 2] = 'seq', seq
 redis.call('HSET', turn, unpack(fields))
 redis.call('ZADD', KEYS[7], a.now, a.turn_id)
-if a.started ~= '' then emit(turn, events, a.started, attempt) end
 local artifacts = redis.call('MGET', KEYS[4], KEYS[5])
 return {'go', tostring(attempt), artifacts[1] or '', artifacts[2] or '', f[5] or '', f[6] or '', deadline or '',
         f[7] or '0'}

@@ -26,14 +26,9 @@ elseif command == 'fetch' or command == 'ack' then
     if redis.call('SREM', KEYS[3], ARGV[i]) > 0 then redis.call('HDEL', KEYS[2], ARGV[i]) end
   end
   if command == 'ack' then return 1 end
-  local ids = {}
-  for _ = 1, math.min(tonumber(ARGV[4]), max_unpack) do
-    local id = redis.call('LPOP', KEYS[1])
-    if not id then break end
-    ids[#ids + 1] = id
-    redis.call('SADD', KEYS[3], id)
-  end
-  if #ids == 0 then return {} end
+  local ids = redis.call('LPOP', KEYS[1], math.min(tonumber(ARGV[4]), max_unpack))  -- false: empty
+  if not ids then return {} end
+  redis.call('SADD', KEYS[3], unpack(ids))
   local bodies, out = redis.call('HMGET', KEYS[2], unpack(ids)), {}
   for i, id in ipairs(ids) do
     out[2 * i - 1], out[2 * i] = id, bodies[i]

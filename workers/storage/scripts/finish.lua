@@ -25,7 +25,7 @@
 -- Returns {'ok'} | {'already', status} | {'stale'} | {'refused', 'foreign_conversation' | 'message_exists'}
 local turn, events = KEYS[1], KEYS[2]
 local a = cjson.decode(ARGV[1])
-local f = redis.call('HMGET', turn, 'status', 'message_id', 'interrupted_by', 'rollback')
+local f = redis.call('HMGET', turn, 'status', 'message_id', 'interrupted_by', 'rollback', 'seq')
 local status = f[1]
 if status and TERMINAL[status] then return {'already', status} end
 local holder, fence = false, false
@@ -54,8 +54,8 @@ if a.message_id ~= '' then
   redis.call('HINCRBY', KEYS[12], 'turns', 1)
   if a.activity then redis.call('ZADD', KEYS[15], a.now, a.conversation_id) end
 end
-emit_all(turn, events, a.events)
-redis.call('HSET', turn, 'status', a.status, 'finished_at', a.now)
+local seq = append_events(events, tonumber(f[5] or '0'), a.events)
+redis.call('HSET', turn, 'status', a.status, 'finished_at', a.now, 'seq', seq)
 redis.call('ZREM', KEYS[5], a.turn_id)
 -- the cancel flag, the model claim and the artifacts: one DEL
 redis.call('DEL', KEYS[3], KEYS[4], unpack(KEYS, 21))

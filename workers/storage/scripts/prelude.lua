@@ -1,23 +1,27 @@
 -- Shared by every script: workers/storage/lua.py puts it in front of each one, after the constants it
 -- generates from their Python definitions (TERMINAL: pipeline/events.py's TERMINAL_TYPES).
 
--- Append an event to a turn's stream. `json` is the event without `seq` (and without `attempt`
--- when `attempt` is given): numbering is the store's, the rest of the event is the caller's.
-local function emit(turn, events, json, attempt)
-  local seq = redis.call('HINCRBY', turn, 'seq', 1)
+-- Append one event numbered `seq` to a turn's stream. `json` is the event without `seq` (and without
+-- `attempt` when `attempt` is given): numbering is the store's, the rest of the event is the caller's.
+local function append_event(events, seq, json, attempt)
   local head = '{"seq":' .. seq .. ','
   if attempt then head = head .. '"attempt":' .. attempt .. ',' end
   redis.call('XADD', events, '*', 'json', head .. string.sub(json, 2))
+end
+
+-- Append an event to a turn's stream, numbered by the turn's `seq` field.
+local function emit(turn, events, json, attempt)
+  local seq = redis.call('HINCRBY', turn, 'seq', 1)
+  append_event(events, seq, json, attempt)
   return seq
 end
 
--- Append several events (as `emit`, without `attempt`) with one HINCRBY for their numbers.
-local function emit_all(turn, events, list)
-  if #list == 0 then return end
-  local last = redis.call('HINCRBY', turn, 'seq', #list)
-  for i, json in ipairs(list) do
-    redis.call('XADD', events, '*', 'json', '{"seq":' .. (last - #list + i) .. ',' .. string.sub(json, 2))
-  end
+-- Append several events (as `emit`, without `attempt`) numbered from `seq`, the turn's `seq` field as
+-- the calling script read it: the last number is returned, and the caller writes it back with its own
+-- HSET of the turn (no HINCRBY of its own).
+local function append_events(events, seq, list)
+  for i, json in ipairs(list) do append_event(events, seq + i, json) end
+  return seq + #list
 end
 
 -- Enqueue a dramatiq message exactly as RedisBroker.enqueue does, and ring the doorbell.
