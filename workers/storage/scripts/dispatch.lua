@@ -26,8 +26,8 @@ elseif command == 'fetch' or command == 'ack' then
     if redis.call('SREM', KEYS[3], ARGV[i]) > 0 then redis.call('HDEL', KEYS[2], ARGV[i]) end
   end
   if command == 'ack' then return 1 end
-  local ids = redis.call('LPOP', KEYS[1], math.min(tonumber(ARGV[4]), max_unpack))  -- false: empty
-  if not ids then return {} end
+  local ids = redis.call('LPOP', KEYS[1], math.min(tonumber(ARGV[4]), max_unpack))  -- false: the queue is empty
+  if not ids or #ids == 0 then return {} end  -- a count of 0 takes nothing
   redis.call('SADD', KEYS[3], unpack(ids))
   local bodies, out = redis.call('HMGET', KEYS[2], unpack(ids)), {}
   for i, id in ipairs(ids) do
