@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from threadline.pipeline.policy import CONVENTIONAL_KEY_NAMES, ModelPolicy
+from threadline.workers.protocol.keys import MAX_SHARDS
 
 
 def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
@@ -69,6 +70,7 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("REDIS_URL", "the Redis/Valkey server (unset: the embedded server `threadline worker` starts)"),
     ("TL_DATA_DIR", "where the embedded server keeps its data (default .threadline)"),
     ("TL_PREFIX", "prefix of every key and channel (default tl)"),
+    ("TL_SHARDS", "virtual shards of the key layout, fixed for the life of the data (default 0: one server's)"),
     ("TL_AUTHOR", "the author agent changes record (default: the OS user name)"),
     ("TL_LOG_FORMAT", "json or console (default: console on a terminal)"),
     ("TL_LOG_LEVEL", "DEBUG, INFO (default), WARNING, ERROR or CRITICAL; DEBUG logs message content"),
@@ -124,6 +126,8 @@ class Settings:
     redis_url: str | None
     data_dir: Path
     prefix: str = "tl"
+    #: Virtual shards of the key layout (`protocol/shards.py`); 0: one server's layout.
+    shards: int = 0
     log_format: Literal["json", "console"] = "console"
     log_level: str = "INFO"
     processes: int = 2
@@ -234,6 +238,7 @@ class Settings:
             redis_url=env.get("REDIS_URL") or None,
             data_dir=Path(env.get("TL_DATA_DIR") or ".threadline").resolve(),
             prefix=env.get("TL_PREFIX") or "tl",
+            shards=_int(env, "TL_SHARDS", 0, maximum=MAX_SHARDS),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=log_level,
             processes=_int(env, "TL_PROCESSES", 2, minimum=1),
