@@ -126,7 +126,7 @@ class Settings:
     redis_url: str | None
     data_dir: Path
     prefix: str = "tl"
-    #: Virtual shards of the key layout (`protocol/shards.py`); 0: one server's layout.
+    #: Virtual shards of the key layout (`protocol/keys.py`); 0: one server's layout.
     shards: int = 0
     log_format: Literal["json", "console"] = "console"
     log_level: str = "INFO"

@@ -51,6 +51,12 @@ def shard_tag(shard: int, count: int) -> str:
     return tag
 
 
+def layout_record(shards: int) -> dict[str, object]:
+    """What `Keys.layout` holds (JSON): the shard count and each shard's tag, for producers that
+    do not compute tags themselves; `{"shards": 0}` is one server's layout."""
+    return {"shards": shards, "tags": [shard_tag(i, shards) for i in range(shards)]}
+
+
 class UnboundShard(RuntimeError):
     """A sharded layout's turn, queue or index key asked for without a shard."""
 
@@ -111,6 +117,11 @@ class Keys:
         if self.shard is not None and shard != self.shard:
             raise CrossShard(f"conversation {conversation_id!r} is in shard {shard}, not {self.shard}")
         return f"{self.prefix}:{{{shard_tag(shard, self.shards)}}}:conv:{conversation_id}"
+
+    def layout(self) -> str:
+        """String: the layout's `layout_record` (JSON), written by the first worker to start; a
+        worker started with another `TL_SHARDS` refuses to run, and clients read the count here."""
+        return f"{self.prefix}:layout"
 
     # --- agent configs ------------------------------------------------------------------------
     def agent(self, agent_id: str) -> str:

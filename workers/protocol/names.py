@@ -14,6 +14,9 @@ CANCEL_ACTOR: Final = "cancel"
 #: The completion webhooks' queue and its actor: `deliver_webhook({"delivery_id", "attempt"})`.
 WEBHOOK_QUEUE: Final = "webhooks"
 WEBHOOK_ACTOR: Final = "deliver_webhook"
+#: The message option naming the shard whose queue a message came from (sharded layout): the
+#: consumer stamps it, the stages bind their keys to it, and the broker re-enqueues by it.
+SHARD_OPTION: Final = "tl_shard"
 
 
 class _Queued(Protocol):
