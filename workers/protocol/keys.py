@@ -20,6 +20,9 @@ from functools import cache
 
 #: Redis Cluster's hash slots.
 SLOTS = 16384
+#: How much longer a turn's shard pointer (`Keys.turn_shard`) lives than the turn's record does after
+#: its end (`TL_TURN_TTL_S`): the pointer is written when the turn is submitted.
+TURN_SHARD_SLACK_S = 86_400
 #: The most shards a layout may have: each keeps a range of at least 16 slots.
 MAX_SHARDS = 1024
 

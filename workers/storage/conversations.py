@@ -75,7 +75,7 @@ def deletion(keys: Keys, graph: StageGraph, conversation_id: str, *, tenant_id: 
              rows: Mapping[str, str], stored_tenant: str | None) -> tuple[list[str], str]:
     """KEYS and ARGV[1] of delete_conversation.lua, for the rows read (message id -> turn id) and the
     tenant read from the conversation (whose conversation index loses it)."""
-    cid, k = conversation_id, keys
+    cid, k = conversation_id, keys.of_conversation(conversation_id)  # its turns and indexes: its shard
     head = [k.conversation(cid), k.messages(cid), k.turn_queue(cid), k.lease(cid), k.waiting(cid)]
     turns = sorted(set(rows.values()))
     stages = [s.name for s in graph.turn_stages]

@@ -182,13 +182,14 @@ def expire_call(mk: MemoryKeys, *, idle_before: float) -> ScriptCall:
 
 
 def note_call(mk: MemoryKeys, turn: PendingTurn, *, message: tuple[str, str, bytes], channel: str,
-              queue_keys: tuple[str, str], flag_ms: int) -> ScriptCall:
+              queue_keys: tuple[str, str] | None, flag_ms: int) -> ScriptCall:
     """memory_note.lua: `turn` joins the partition's pending turns; `message` (queue, id, body) is
-    enqueued on `queue_keys` (messages hash, list) unless one is queued already."""
+    enqueued on `queue_keys` (messages hash, list) unless one is queued already (None: the caller
+    enqueues it when the answer is 'queued')."""
     queue, message_id, data = message
     arg = lua.payload(turn_id=turn.turn_id, suffix=mk.suffix, flag_ms=flag_ms, message_id=message_id,
                       channel=channel, queue=queue)
-    return ("memory_note", [mk.pending, mk.queued, mk.turns, mk.partitions, *queue_keys],
+    return ("memory_note", [mk.pending, mk.queued, mk.turns, mk.partitions, *(queue_keys or ())],
             [arg, turn.model_dump_json(), data])
 
 

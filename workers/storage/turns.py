@@ -14,6 +14,7 @@ from threadline.pipeline.busy import DEFAULT_ON_BUSY, OnBusy, interrupt_victims,
 from threadline.pipeline.cost import usage_counters
 from threadline.pipeline.records import ConversationRecord, MessageRecord
 from threadline.pipeline.resolve import Refusal, refusal_error
+from threadline.workers.protocol.keys import TURN_SHARD_SLACK_S, Keys
 from threadline.workers.protocol.names import WEBHOOK_ACTOR, WEBHOOK_QUEUE
 from threadline.workers.protocol.schema import (
     TurnState,
@@ -311,16 +312,22 @@ class TurnStore(StoreBase):
 
     async def stalled(self, turn_id: str, *, now: float, max_recoveries: int, stall_s: float | None = None,
                       recheck_s: float | None = None) -> Stall:
-        """The watchdog's look at a turn it has not looked at for a while; see stalled.lua."""
+        """The watchdog's look at a turn it has not looked at for a while; see stalled.lua. (In the
+        sharded layout the holder's turns are in another slot: read here, passed in.)"""
         k, settings = self.keys, self.settings
         cid, holder = (text(v or b"") for v in await self.redis.hmget(k.turn(turn_id), "conversation_id", "holder"))
+        keys = [k.turn(turn_id), k.model_claim(turn_id), k.running(), k.waiting(cid or "-")]
+        listed: dict[str, bool] = {}
+        if not k.shards:
+            keys.append(k.worker_turns(holder or "-"))
+        elif holder:
+            listed["listed"] = bool(await self.redis.sismember(k.worker_turns(holder), turn_id))
         reply = await self._run(
-            "stalled", [k.turn(turn_id), k.model_claim(turn_id), k.running(), k.waiting(cid or "-"),
-                        k.worker_turns(holder or "-")],
+            "stalled", keys,
             lua.payload(turn_id=turn_id, now=now, stages=[s.name for s in self.graph.turn_stages],
                         model_stages=[s.name for s in self.graph.of_kind("model")], max_recoveries=max_recoveries,
                         holder=holder, stall_s=settings.stall_s if stall_s is None else stall_s,
-                        recheck_s=settings.worker_timeout_s if recheck_s is None else recheck_s),
+                        recheck_s=settings.worker_timeout_s if recheck_s is None else recheck_s, **listed),
         )
         verdict = cast(StallVerdict, text(reply[0]))
         if verdict == "exhausted":
@@ -332,12 +339,27 @@ class TurnStore(StoreBase):
 
     async def reap(self, worker_id: str, broker_id: str, queues: Sequence[str]) -> int:
         """Put back what a worker whose heartbeat is gone had fetched (see reap.lua): how many
-        messages, or -1 when it is alive after all."""
-        k = self.keys
+        messages, or -1 when it is alive after all. In the sharded layout one call per shard puts
+        its queues back and a last one forgets the worker (a worker that comes back in between
+        gets its fetched messages delivered again: every stage is idempotent)."""
+        layout = self.layout
+        fleet = [layout.workers(), layout.worker(worker_id), layout.heartbeats()]
+        if not layout.shards:
+            return await self._reap(fleet, layout, broker_id, worker_id, queues)
+        if await self.redis.exists(layout.worker(worker_id)):
+            return -1
+        requeued = 0
+        for k in layout.every_shard():
+            requeued += await self._reap([], k, broker_id, worker_id, queues)
+        forgotten = await self._reap(fleet, layout, broker_id, worker_id, ())
+        return -1 if forgotten < 0 else requeued
+
+    async def _reap(self, fleet: list[str], k: Keys, broker_id: str, worker_id: str, queues: Sequence[str]) -> int:
         triples = [key for q in queues for key in (k.acks(broker_id, q), k.queue_messages(q), k.queue(q))]
         reply = await self._run(
-            "reap", [k.workers(), k.worker(worker_id), k.heartbeats(), *triples],
-            lua.payload(worker_id=worker_id, broker_id=broker_id, channel=k.doorbell_channel(), queues=list(queues)),
+            "reap", [*fleet, *triples],
+            lua.payload(worker_id=worker_id, broker_id=broker_id, channel=k.doorbell_channel() if queues else "",
+                        queues=list(queues), fleet=bool(fleet)),
         )
         return int(reply)
 
@@ -351,6 +373,14 @@ class TurnStore(StoreBase):
     async def enqueue_stage(self, stage: str, arg: Any, *, message_id: str, now_ms: int) -> None:
         queue, mid, data = self._message(Next(stage, arg, message_id), now_ms)
         await self.enqueue(queue, mid, data)
+
+    async def point(self, turn_id: str) -> None:
+        """Sharded layout: write the pointer by which readers that know only the turn's id find its
+        shard (the client writes it too, when it submits; the first write stays)."""
+        k = self.keys
+        if k.shard is not None:
+            await self.redis.set(k.turn_shard(turn_id), k.shard, nx=True,
+                                 ex=self.settings.turn_ttl_s + TURN_SHARD_SLACK_S)
 
     async def emit(self, turn_id: str, event: events.Event) -> None:
         await self._run("emit", [self.keys.turn(turn_id), self.keys.events(turn_id)], events.encode(event))

@@ -22,7 +22,7 @@ from threadline.workers.protocol.names import WEBHOOK_ACTOR, WEBHOOK_QUEUE
 from threadline.workers.protocol.schema import text, text_map
 from threadline.workers.protocol.wire import build_message
 from threadline.workers.storage import lua
-from threadline.workers.storage.base import StoreBase
+from threadline.workers.storage.base import StoreBase, in_shard
 
 #: Deliveries `threadline webhooks list` shows unless told otherwise.
 DEFAULT_LIST = 50
@@ -85,15 +85,24 @@ async def async_webhook_secret(client: aioredis.Redis, keys: Keys, tenant_id: st
 
 class WebhookStore(StoreBase):
     async def delivery(self, delivery_id: str) -> Delivery | None:
-        found = text_map(await self.redis.hgetall(self.keys.webhook(delivery_id)))
+        """A delivery (its id is its turn's), found in its turn's shard."""
+        k = await self.turn_keys(delivery_id)
+        found = text_map(await self.redis.hgetall(k.webhook(delivery_id))) if k is not None else {}
         return Delivery.from_hash(delivery_id, found) if found else None
 
     async def deliveries(self, *, turn_id: str | None = None, tenant_id: str | None = None,
                          limit: int = DEFAULT_LIST) -> list[Delivery]:
-        """The newest deliveries first (of one turn, or one tenant, when named)."""
+        """The newest deliveries first (of one turn, or one tenant, when named), over every shard."""
         if turn_id is not None:
             one = await self.delivery(turn_id)
             return [one] if one is not None and tenant_id in (None, one.tenant_id) else []
+        found: list[Delivery] = []
+        for k in self.layout.every_shard():
+            with in_shard(k.shard):
+                found += await self._newest(tenant_id, limit)
+        return sorted(found, key=lambda d: d.created_at, reverse=True)[:limit]
+
+    async def _newest(self, tenant_id: str | None, limit: int) -> list[Delivery]:
         found: list[Delivery] = []
         start = 0
         while len(found) < limit:
@@ -109,7 +118,8 @@ class WebhookStore(StoreBase):
         return found[:limit]
 
     async def delivery_attempts(self, delivery_id: str) -> list[dict[str, Any]]:
-        return [json.loads(r) for r in await self.redis.lrange(self.keys.webhook_attempts(delivery_id), 0, -1)]
+        k = await self.turn_keys(delivery_id)
+        return [json.loads(r) for r in await self.redis.lrange(k.webhook_attempts(delivery_id), 0, -1)] if k else []
 
     async def record_webhook_attempt(self, job: DeliveryJob, *, status: DeliveryStatus, record: dict[str, Any],
                                      retry_in_s: float | None, now: float) -> AttemptWrite:

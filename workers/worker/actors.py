@@ -7,9 +7,11 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import dramatiq
+from dramatiq.middleware import CurrentMessage
 
 from threadline.pipeline.stages import Stage, StageGraph, StageKind
 from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE, WEBHOOK_ACTOR, WEBHOOK_QUEUE
+from threadline.workers.storage.base import in_shard, shard_in
 from threadline.workers.worker.runners.admit import run_admit
 from threadline.workers.worker.runners.cancel import run_cancel
 from threadline.workers.worker.runners.common import Malformed
@@ -44,14 +46,16 @@ def declare_actors(broker: dramatiq.Broker, graph: StageGraph, ref: RuntimeRef, 
     async def cancel(*args: object, **kwargs: object) -> None:
         # (turn_id) or (turn_id, reason); anything else is refused by the runner, not retried
         ok = 1 <= len(args) <= 2 and not kwargs
-        await run_cancel(ref.get(), args[0] if ok else Malformed(), args[1] if ok and len(args) == 2 else "")
+        with in_shard(_message_shard()):
+            await run_cancel(ref.get(), args[0] if ok else Malformed(), args[1] if ok and len(args) == 2 else "")
 
     declared[CANCEL_ACTOR] = _declare(broker, CANCEL_ACTOR, CONTROL_QUEUE, cancel, priority=0,
                                       max_retries=max_retries)
 
     async def deliver(*args: object, **kwargs: object) -> None:
         # after the turn: the lowest priority (one argument, else refused by the runner)
-        await run_webhook(ref.get(), args[0] if len(args) == 1 and not kwargs else Malformed())
+        with in_shard(_message_shard()):
+            await run_webhook(ref.get(), args[0] if len(args) == 1 and not kwargs else Malformed())
 
     declared[WEBHOOK_ACTOR] = _declare(broker, WEBHOOK_ACTOR, WEBHOOK_QUEUE, deliver, priority=20,
                                        max_retries=max_retries)
@@ -65,9 +69,16 @@ def _stage_actor(ref: RuntimeRef, stage: Stage) -> Callable[..., Coroutine[Any, 
         # a stage message carries exactly one argument; anything else is refused by the runner at
         # once (as malformed input), not retried as a crash
         arg = args[0] if len(args) == 1 and not kwargs else Malformed(args[0] if args else None)
-        await runner(ref.get(), stage, arg)
+        with in_shard(_message_shard()):
+            await runner(ref.get(), stage, arg)
 
     return run
+
+
+def _message_shard() -> int | None:
+    """The shard of the message being run (sharded layout): the store's keys are bound to it."""
+    message = CurrentMessage.get_current_message()
+    return shard_in(message.options) if message is not None else None
 
 
 def _declare(broker: dramatiq.Broker, name: str, queue: str, fn: Callable[..., Coroutine[Any, Any, None]],

@@ -22,12 +22,15 @@ class CancelRegistry:
 
     def __init__(self) -> None:
         self._tokens: dict[str, set[CancellationToken]] = defaultdict(set)
+        #: The shard of each turn (sharded layout; None in one server's), for its cancel flag's key.
+        self._shards: dict[str, int | None] = {}
         self._lock = threading.Lock()
 
-    def register(self, turn_id: str) -> CancellationToken:
+    def register(self, turn_id: str, shard: int | None = None) -> CancellationToken:
         token = CancellationToken()
         with self._lock:
             self._tokens[turn_id].add(token)
+            self._shards[turn_id] = shard
         return token
 
     def unregister(self, turn_id: str, token: CancellationToken) -> None:
@@ -37,10 +40,19 @@ class CancelRegistry:
                 tokens.discard(token)
                 if not tokens:
                     del self._tokens[turn_id]
+                    self._shards.pop(turn_id, None)
 
     def running(self) -> list[str]:
         with self._lock:
             return list(self._tokens)
+
+    def by_shard(self) -> dict[int | None, list[str]]:
+        """The running turns, grouped by their shard."""
+        grouped: dict[int | None, list[str]] = defaultdict(list)
+        with self._lock:
+            for turn_id in self._tokens:
+                grouped[self._shards.get(turn_id)].append(turn_id)
+        return grouped
 
     def cancel(self, turn_id: str) -> bool:
         with self._lock:
@@ -76,14 +88,13 @@ class CancelWatcher:
 
     def _poll(self) -> None:
         while not self._stop.wait(self._poll_s):
-            running = self.registry.running()
-            if not running:
-                continue
-            try:
-                flags = self._client.mget([self._keys.cancel_flag(t) for t in running])
-            except redis.RedisError as e:
-                log.warning("cancel_poll_failed", error=str(e))
-                continue
-            for turn_id, flag in zip(running, flags, strict=True):
-                if flag is not None:
-                    self.registry.cancel(turn_id)
+            for shard, running in self.registry.by_shard().items():  # one MGET per shard: one slot each
+                keys = self._keys.on(shard)
+                try:
+                    flags = self._client.mget([keys.cancel_flag(t) for t in running])
+                except redis.RedisError as e:
+                    log.warning("cancel_poll_failed", error=str(e))
+                    break
+                for turn_id, flag in zip(running, flags, strict=True):
+                    if flag is not None:
+                        self.registry.cancel(turn_id)

@@ -10,6 +10,7 @@ SIGTERM/SIGINT: each child hands its turns back (`middleware/liveness.py`) withi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -18,13 +19,15 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import dramatiq
+import redis
 import structlog
 from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
 
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
+from threadline.workers.protocol.keys import Keys, layout_record
 from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.protocol.names import queues as all_queues
 from threadline.workers.settings import Settings
@@ -71,12 +74,24 @@ def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GR
     """A running worker in this process (`serve` runs one until a signal; tests run one in-process)."""
     threads = threads or settings.threads
     broker = create_broker(settings, url, graph=graph)
+    claim_layout(broker.client, settings)
     unknown = sorted(set(queues) - set(all_queues(graph)))
     if unknown:
         raise ValueError(f"unknown queues {unknown}; the queues are {list(all_queues(graph))}")
     worker = dramatiq.Worker(broker, queues=set(queues) or None, worker_threads=threads, worker_timeout=100)
     worker.start()
     return broker, worker
+
+
+def claim_layout(client: redis.Redis, settings: Settings) -> None:
+    """Write the key layout (`TL_SHARDS`) if none is stored yet, in one command (SET NX GET); a
+    ValueError when the stored one is another: the data under the prefix is laid out for it."""
+    key = Keys(settings.prefix).layout()
+    stored = client.set(key, json.dumps(layout_record(settings.shards)), nx=True, get=True)
+    shards = json.loads(cast(bytes, stored))["shards"] if stored is not None else settings.shards
+    if shards != settings.shards:
+        raise ValueError(f"TL_SHARDS is {settings.shards}, but the data under prefix {settings.prefix!r} is laid out "
+                         f"in {shards} shards ({key}): start the workers with TL_SHARDS={shards}")
 
 
 def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: int | None = None) -> None:

@@ -32,8 +32,10 @@ from dramatiq.common import dq_name
 
 from threadline.pipeline.contracts import Envelope
 from threadline.pipeline.records import MessageRecord
+from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import queues
 from threadline.workers.protocol.schema import text
+from threadline.workers.storage.base import in_shard
 from threadline.workers.storage.turns import with_message_id
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.runtime import Runtime
@@ -105,53 +107,63 @@ class Watchdog:
 
     async def sweep(self, now: float) -> int:
         """Enqueue again the next stage of every turn that is no longer running anywhere; returns how
-        many were."""
-        rt, store, settings = self.rt, self.rt.store, self.rt.settings
+        many were. (Sharded layout: every shard's `running` index, read in one round trip.)"""
+        store, settings = self.rt.store, self.rt.settings
         due = now - min(settings.worker_timeout_s, settings.stall_s)
-        running = store.keys.running()
-        stalled = cast(list[bytes], await store.redis.zrangebyscore(running, "-inf", due, start=0, num=100))
+        shards = store.layout.every_shard()
+        async with store.redis.pipeline(transaction=False) as pipe:
+            for k in shards:
+                pipe.zrangebyscore(k.running(), "-inf", due, start=0, num=100)
+            found = cast(list[list[bytes]], await pipe.execute())
         recovered = 0
-        for raw in stalled:
-            turn_id = text(raw)
-            look = await store.stalled(turn_id, now=now, max_recoveries=settings.max_recoveries)
-            stage, attempt, request = look.stage, look.attempt, look.request
-            if look.verdict == "exhausted":
-                await rt.end_turn(turn_id, "failed", code="internal_error",
-                                  message=f"the turn stalled at {stage} more than {settings.max_recoveries} times")
-                continue
-            if look.verdict != "stalled":
-                continue
-            message_id = f"recover.{turn_id}.{rt.new_id()[:8]}"
-            if stage == rt.graph.first.name:
-                if not request:
-                    continue
-                await store.enqueue(rt.graph.first.queue, message_id, with_message_id(request, message_id).encode())
-            else:
-                arg = Envelope(turn_id=turn_id, stage=stage, attempt=attempt).model_dump()
-                await store.enqueue_stage(stage, arg, message_id=message_id, now_ms=rt.now_ms())
-            log.warning("stalled_turn_requeued", turn_id=turn_id, stage=stage, why=look.why, holder=look.holder or None,
-                        attempt=attempt)
-            metrics.TAKEOVERS.labels(stage).inc()
-            recovered += 1
+        for k, stalled in zip(shards, found, strict=True):
+            with in_shard(k.shard):
+                for raw in stalled:
+                    recovered += await self._recover(text(raw), now)
         return recovered
+
+    async def _recover(self, turn_id: str, now: float) -> int:
+        """Look at one turn the `running` index says is due (stalled.lua); 1 when it was enqueued again."""
+        rt, store, settings = self.rt, self.rt.store, self.rt.settings
+        look = await store.stalled(turn_id, now=now, max_recoveries=settings.max_recoveries)
+        stage, attempt, request = look.stage, look.attempt, look.request
+        if look.verdict == "exhausted":
+            await rt.end_turn(turn_id, "failed", code="internal_error",
+                              message=f"the turn stalled at {stage} more than {settings.max_recoveries} times")
+            return 0
+        if look.verdict != "stalled":
+            return 0
+        message_id = f"recover.{turn_id}.{rt.new_id()[:8]}"
+        if stage == rt.graph.first.name:
+            if not request:
+                return 0
+            await store.enqueue(rt.graph.first.queue, message_id, with_message_id(request, message_id).encode())
+        else:
+            arg = Envelope(turn_id=turn_id, stage=stage, attempt=attempt).model_dump()
+            await store.enqueue_stage(stage, arg, message_id=message_id, now_ms=rt.now_ms())
+        log.warning("stalled_turn_requeued", turn_id=turn_id, stage=stage, why=look.why, holder=look.holder or None,
+                    attempt=attempt)
+        metrics.TAKEOVERS.labels(stage).inc()
+        return 1
 
     async def backfill_activity(self) -> int:
         """Once per deployment (the first process to get there): conversations stored while retention
         was off enter the activity index, scored by their newest message (else their creation), so
         switching retention on also expires the ones idle since before. Returns how many entered."""
         store = self.rt.store
-        if not await store.redis.set(store.keys.activity_backfill(), "1", nx=True):
+        if not await store.redis.set(store.layout.activity_backfill(), "1", nx=True):
             return 0
         added = 0
-        head = store.keys.conversation("")[:-1]  # "<prefix>:conv:{"
-        async for raw in store.redis.scan_iter(f"{head}*}}", count=1000):
-            conversation_id = text(raw)[len(head):-1]
-            if "}" in conversation_id or "{" in conversation_id:
-                continue
-            newest = cast(list[bytes], await store.redis.zrange(store.keys.message_order(conversation_id), -1, -1))
-            row = await store.redis.hget(store.keys.messages(conversation_id), newest[0]) if newest else None
-            last = _updated_at(row) or float(text(await store.redis.hget(raw, "created_at") or b"0"))
-            added += cast(int, await store.redis.zadd(store.keys.activity(), {conversation_id: last}, nx=True))
+        for k in store.layout.every_shard():
+            head, tail = _conversation_pattern(k)
+            async for raw in store.redis.scan_iter(f"{head}*{tail}", count=1000):
+                conversation_id = text(raw)[len(head):len(text(raw)) - len(tail)]
+                if any(c in conversation_id for c in "{}:"):
+                    continue  # one of the conversation's other keys
+                newest = cast(list[bytes], await store.redis.zrange(k.message_order(conversation_id), -1, -1))
+                row = await store.redis.hget(k.messages(conversation_id), newest[0]) if newest else None
+                last = _updated_at(row) or float(text(await store.redis.hget(raw, "created_at") or b"0"))
+                added += cast(int, await store.redis.zadd(k.activity(), {conversation_id: last}, nx=True))
         log.info("activity_backfilled", conversations=added)
         return added
 
@@ -159,6 +171,13 @@ class Watchdog:
         """Delete the conversations idle longer than the retention; returns how many were. Busy ones
         stay in the index (their score moves when their turn ends); each worker process sweeps, and
         a conversation another one deleted first is simply not found."""
+        deleted = 0
+        for k in self.rt.store.layout.every_shard():
+            with in_shard(k.shard):
+                deleted += await self._expire(now)
+        return deleted
+
+    async def _expire(self, now: float) -> int:
         store, days = self.rt.store, self.rt.settings.retention_days
         cutoff = now - days * 86_400
         deleted = passed = 0
@@ -176,6 +195,12 @@ class Watchdog:
                 log.info("conversation_expired", conversation_id=result.conversation_id, messages=result.messages,
                          turns=result.turns, retention_days=days)
         return deleted
+
+
+def _conversation_pattern(k: Keys) -> tuple[str, str]:
+    """What a conversation's hash key has before and after its id, in `k`'s shard."""
+    key = k.conversation("-")
+    return (key[:-2], "}") if key.endswith("{-}") else (key[:-1], "")
 
 
 def _updated_at(row: bytes | str | None) -> float | None:

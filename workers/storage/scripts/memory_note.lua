@@ -8,12 +8,13 @@
 -- ARGV[2] the pending turn JSON   ARGV[3] the stage message (dramatiq's JSON)
 -- Returns 'done' (consolidated already), 'queued' (a message was enqueued) or 'folded' (one was
 -- queued already: this turn goes with it)
--- Cluster note: the queue keys are in another slot (as advance.lua's are).
+-- Without KEYS[5] and KEYS[6] (the sharded layout: the queue is in the turn's shard, another slot) the
+-- caller enqueues the message when the answer is 'queued'.
 
 local a = cjson.decode(ARGV[1])
 if redis.call('ZSCORE', KEYS[3], a.turn_id) then return 'done' end
 redis.call('HSET', KEYS[1], a.turn_id, ARGV[2])
 redis.call('SADD', KEYS[4], a.suffix)
 if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', a.flag_ms) then return 'folded' end
-enqueue(KEYS[5], KEYS[6], a.message_id, ARGV[3], a.channel, a.queue)
+if KEYS[6] then enqueue(KEYS[5], KEYS[6], a.message_id, ARGV[3], a.channel, a.queue) end
 return 'queued'

@@ -8,9 +8,11 @@
 -- ('exhausted': the caller ends it). Every look moves the turn's score, so it is looked at again
 -- only `recheck_s` later (or when its stall time is up).
 -- KEYS[1] turn   KEYS[2] model claim   KEYS[3] running turns   KEYS[4] conversation's waiting requests
--- KEYS[5] the holder's turns (the set its heartbeat writes; any key when the turn has no holder)
+-- KEYS[5] the holder's turns (the set its heartbeat writes; any key when the turn has no holder);
+--   absent in the sharded layout (another slot): the caller read it (`listed`)
 -- ARGV[1] JSON {turn_id, now, stages: [stage names in order], model_stages: [names], max_recoveries,
---               holder (as the caller read it; "" = none), stall_s, recheck_s}
+--               holder (as the caller read it; "" = none), stall_s, recheck_s, listed (optional:
+--               whether the holder's turns list the turn, as the caller read it)}
 -- Returns {'gone'} | {'alive'} | {'waiting'} | {'exhausted', stage, why}
 --       | {'stalled', stage, attempt, request, why}; why: 'worker_lost' | 'claim_lapsed' | 'no_progress'
 local turn = KEYS[1]
@@ -29,7 +31,8 @@ elseif holder ~= '' then
   for _, name in ipairs(a.model_stages) do
     if name == stage then model = true end
   end
-  local listed = redis.call('SISMEMBER', KEYS[5], a.turn_id) == 1
+  local listed = a.listed
+  if listed == nil then listed = redis.call('SISMEMBER', KEYS[5], a.turn_id) == 1 end
   if listed and (not model or redis.call('EXISTS', KEYS[2]) == 1) then
     redis.call('ZADD', KEYS[3], a.now, a.turn_id)
     return {'alive'}

@@ -16,6 +16,7 @@ from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.middleware import Middleware
 
 from threadline.pipeline.contracts import extract_turn_id, valid_turn_id
+from threadline.workers.storage.base import in_shard, shard_in
 from threadline.workers.worker.runtime import RuntimeRef
 
 log = structlog.get_logger(__name__)
@@ -36,10 +37,11 @@ class GiveUp(Middleware):
             log.error("message_gave_up", actor=message.actor_name, error=type(exception).__name__)
             return
         try:
-            loop.run_coroutine(self.ref.get().end_turn(
-                turn_id, "failed", code="internal_error",
-                message=gave_up(message.actor_name, exception),
-            ))
+            with in_shard(shard_in(message.options)):  # the coroutine runs in a copy of this context
+                loop.run_coroutine(self.ref.get().end_turn(
+                    turn_id, "failed", code="internal_error",
+                    message=gave_up(message.actor_name, exception),
+                ))
         except Exception:
             log.exception("give_up_failed", turn_id=turn_id)
 

@@ -46,12 +46,9 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
     assert message is not None, "the CurrentMessage middleware is installed"
     turn_id = extract_turn_id(request.first if isinstance(request, Malformed) else request) or valid_turn_id(
         message.message_id)
-    if turn_id is None:
-        # no id that names a turn of its own: there is no stream to report on
-        await rt.store.dead_letter(stage.queue, message.message_id, stage.name, "invalid_turn_id")
-        log.warning("turn_refused", reason="invalid_turn_id")
+    if not await _placed(rt, stage, turn_id, request, message.message_id):
         return
-    structlog.contextvars.bind_contextvars(turn_id=turn_id)
+    assert turn_id is not None
     try:
         if isinstance(request, Malformed):
             raise InvalidRequest("a turn message carries exactly one argument: the turn request")
@@ -116,6 +113,26 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
         return
     assert resolved is not None
     await _accept(rt, stage, resolved, begin, t0)
+
+
+async def _placed(rt: Runtime, stage: Stage, turn_id: str | None, request: object, message_id: str) -> bool:
+    """Whether the message names a turn of its own, on the queue of its turn's shard (sharded
+    layout); if not, it is dead-lettered: there is no stream to report on, or the turn's keys would
+    be split over two shards. A sharded turn's shard pointer is written here."""
+    if turn_id is None:
+        await rt.store.dead_letter(stage.queue, message_id, stage.name, "invalid_turn_id")
+        log.warning("turn_refused", reason="invalid_turn_id")
+        return False
+    structlog.contextvars.bind_contextvars(turn_id=turn_id)
+    if not rt.store.layout.shards:
+        return True
+    shard = rt.store.layout.shard_of(extract_conversation_id(request) or new_conversation_id(turn_id))
+    if shard != rt.store.keys.shard:
+        await rt.store.dead_letter(stage.queue, message_id, stage.name, f"wrong_shard: {shard}")
+        log.warning("turn_refused", reason="wrong_shard", shard=shard, queue_shard=rt.store.keys.shard)
+        return False
+    await rt.store.point(turn_id)
+    return True
 
 
 async def _refuse(rt: Runtime, stage: Stage, turn_id: str, request: object, error: ThreadlineError, *,

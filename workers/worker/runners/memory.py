@@ -30,6 +30,7 @@ from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.resolve import ConfigRef
 from threadline.pipeline.stages import Stage
 from threadline.workers.protocol.wire import build_message
+from threadline.workers.storage.base import in_shard
 from threadline.workers.storage.memory import (
     ATTEMPTS,
     MemoryStore,
@@ -63,10 +64,15 @@ async def note_ended_turn(rt: Runtime, stage: Stage, turn: ResolvedTurn) -> str:
     arg = Envelope(turn_id=turn.turn_id, stage=stage.name, conversation_id=turn.conversation_id).model_dump()
     message = build_message(stage.queue, stage.name, (arg,), message_id=rt.new_id(), now_ms=rt.now_ms())
     keys = rt.store.keys
+    # sharded layout: the partition's keys and the turn's shard's queue are in two slots (a message
+    # lost between the two calls is enqueued again by the next turn after the flag expired)
+    queue_keys = None if keys.shards else (keys.queue_messages(stage.queue), keys.queue(stage.queue))
     reply = await memory_store(rt.store).call(note_call(
-        mk, pending, message=message, channel=keys.doorbell_channel(),
-        queue_keys=(keys.queue_messages(stage.queue), keys.queue(stage.queue)), flag_ms=QUEUED_FLAG_MS))
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
+        mk, pending, message=message, channel=keys.doorbell_channel(), queue_keys=queue_keys, flag_ms=QUEUED_FLAG_MS))
+    status = reply.decode() if isinstance(reply, bytes) else str(reply)
+    if queue_keys is None and status == "queued":
+        await rt.store.enqueue(*message)
+    return status
 
 
 # --- the runner -------------------------------------------------------------------------------------
@@ -104,7 +110,8 @@ async def run_memory(rt: Runtime, stage: Stage, envelope: object) -> None:
         return
     kept = 1
     while kept == 1:  # the release keeps the lease while turns are pending: take them too
-        await _consolidate_pending(rt, stage, mem, scope)
+        with in_shard(None):  # the partition's turns are of conversations in any shard
+            await _consolidate_pending(rt, stage, mem, scope)
         kept, _ = (int(x) for x in await mem.call(lease_call(mk, "release", token, lease_ms=LEASE_MS)))
 
 

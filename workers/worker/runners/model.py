@@ -55,7 +55,7 @@ async def run_model(rt: Runtime, stage: Stage, envelope: object) -> None:
     runtime; the message's thread is free again at once, and its ack waits for the call's end."""
     if (env := await envelope_of(rt, stage, envelope)) is None:
         return
-    token = rt.registry.register(env.turn_id)  # before begin: a cancel from now on reaches the run
+    token = rt.registry.register(env.turn_id, rt.store.keys.shard)  # before begin: a cancel from now on reaches the run
     try:
         s = await start_stage(rt, stage, env, claim=rt.worker_id)
     except BaseException:
