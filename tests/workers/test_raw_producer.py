@@ -7,12 +7,14 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 
 import pytest
 from dramatiq.message import Message
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool
 from threadline.pipeline import events as ev
+from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.wire import build_message
 
@@ -22,11 +24,11 @@ pytestmark = pytest.mark.integration
 PROTOCOL_DOC = ROOT / "docs" / "protocol.md"
 
 
-def readme_block() -> str:
-    """The raw-producer block of docs/protocol.md (between its `raw-producer` markers)."""
+def readme_block(name: str = "raw-producer") -> str:
+    """A raw-producer block of docs/protocol.md (between its `<name>` markers)."""
     text = PROTOCOL_DOC.read_text()
-    match = re.search(r"<!-- raw-producer:start -->\s*```sh\n(.*?)```\s*<!-- raw-producer:end -->", text, re.S)
-    assert match, "docs/protocol.md has no raw-producer block"
+    match = re.search(rf"<!-- {name}:start -->\s*```sh\n(.*?)```\s*<!-- {name}:end -->", text, re.S)
+    assert match, f"docs/protocol.md has no {name} block"
     return match.group(1)
 
 
@@ -43,6 +45,22 @@ def test_readme_redis_cli_commands_enqueue_a_turn_that_succeeds(
     terminal = client.wait(turn_id, timeout_s=30)
     assert isinstance(terminal, ev.Succeeded), terminal
     assert '"Where is my order?"' in terminal.answer
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None or shutil.which("jq") is None, reason="needs redis-cli and jq")
+def test_the_sharded_layouts_commands_enqueue_a_turn_that_succeeds(isolated: Callable[..., WorkerPool]) -> None:
+    pool = isolated({"TL_SHARDS": "4"}).start(processes=1, threads=4)
+    client = Client(pool.url, prefix=pool.prefix)
+    client.put_agent(AgentConfig.model_validate({"id": "raw-agent", "model": "offline:echo"}))
+    script = readme_block("raw-producer-sharded") + 'echo "MID=$MID"\n'
+    env = {**os.environ, "REDIS_URL": pool.url, "TL_PREFIX": pool.prefix, "AGENT": "raw-agent"}
+    run = subprocess.run(["bash", "-eu", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    turn_id = re.search(r"^MID=(\S+)$", run.stdout, re.M).group(1)  # type: ignore[union-attr]
+    terminal = client.wait(turn_id, timeout_s=30)
+    assert isinstance(terminal, ev.Succeeded), terminal
+    assert '"Where is my order?"' in terminal.answer
+    client.close()
 
 
 @pytest.mark.parametrize("delay_ms", [None, 250])

@@ -79,9 +79,10 @@ def monitored(url: str) -> Iterator[list[list[bytes]]]:
         reader.join(timeout=5)
 
 
-def script_slots(commands: list[list[bytes]], ids: set[str]) -> dict[str, set[frozenset[int]]]:
+def script_slots(commands: list[list[bytes]], ids: set[str], *, prefix: str = "") -> dict[str, set[frozenset[int]]]:
     """Per script name, the sets of slots its calls' KEYS hashed to, for the calls whose keys name one
-    of `ids` (a turn or a conversation of the test's own: other tests share the server)."""
+    of `ids` (a turn or a conversation of the test's own: other tests share the server), or, with
+    `prefix`, every call whose keys are under it (a prefix of the test's own)."""
     names = {hashlib.sha1(lua.source(name).encode()).hexdigest(): name for name in get_args(lua.ScriptName)}
     seen: dict[str, set[frozenset[int]]] = defaultdict(set)
     for words in commands:
@@ -89,7 +90,9 @@ def script_slots(commands: list[list[bytes]], ids: set[str]) -> dict[str, set[fr
             continue
         count = int(words[2])
         keys = words[3:3 + count]
-        if not any(i in k.decode(errors="replace") for k in keys for i in ids):
+        named = (all(k.decode(errors="replace").startswith(f"{prefix}:") for k in keys) if prefix
+                 else any(i in k.decode(errors="replace") for k in keys for i in ids))
+        if not keys or not named:
             continue
         name = names.get(words[1].decode(), words[1].decode()[:12])
         seen[name].add(frozenset(key_slot(k) for k in keys))
@@ -142,3 +145,36 @@ def test_retries_model_slots_webhooks_and_memory_cross_only_where_known(
     crossing = {name for name, calls in slots.items() if any(len(s) > 1 for s in calls)}
     assert crossing == CROSSING_TODAY & set(slots), {name: sorted(map(sorted, calls)) for name, calls in slots.items()}
     client.close()
+
+
+def test_in_the_sharded_layout_no_script_crosses_slots(isolated: Callable[..., WorkerPool], tmp_path: Path) -> None:
+    """TL_SHARDS: every script call of every path above — turns, a cancel, a delete, a retried model
+    call, model slots, a webhook, long-term memory, and the broker's own fetches, acks and the
+    heartbeat — passes keys of one slot (all of the test's prefix audited, not only named ids)."""
+    pool = isolated({"TL_SHARDS": "4", "TL_WEBHOOK_HOSTS": "all", "TL_DELAY_POLL_MS": "100"})
+    with monitored(pool.url) as commands:
+        pool.start(processes=1, threads=4)
+        client = Client(pool.url, prefix=pool.prefix)
+        agent = f"agent-{uuid.uuid4().hex[:8]}"
+        client.put_agent(AgentConfig.model_validate({
+            "id": agent, "memory": {"long_term": {}},
+            "model": {**python_model("failing", status=503, times=1, record=str(tmp_path / "calls.jsonl")),
+                      "max_concurrency": 2}}))
+        with WebhookReceiver() as receiver:
+            first = client.submit(turn(agent, "my name is Ada", webhook_url=receiver.url))
+            assert isinstance(client.wait(first, timeout_s=60), ev.Succeeded)
+            wait_until(lambda: receiver.delivered() == [first], timeout_s=30)
+            conversation = client.turn_state(first).conversation_id
+            second = client.submit(turn(agent, "and again", conversation_id=conversation))
+            client.cancel(second, "changed my mind")
+            client.wait(second, timeout_s=60)
+            wait_until(lambda: {"memory_apply", "webhook_attempt"} <= set(script_slots(list(commands), set(),
+                                                                                      prefix=pool.prefix)),
+                       timeout_s=30)
+            assert client.delete_conversation(conversation, tenant_id="t1").status == "deleted"
+        client.close()
+    slots = script_slots(commands, set(), prefix=pool.prefix)
+    assert {"submit", "admit", "begin", "advance", "finish", "retry", "slot_acquire", "webhook_attempt",
+            "memory_note", "memory_apply", "delete_conversation", "heartbeat"} <= set(slots), sorted(slots)
+    crossing = {name: sorted(map(sorted, calls)) for name, calls in slots.items() if any(len(s) > 1 for s in calls)}
+    assert crossing == {}

@@ -20,6 +20,8 @@ from functools import cache
 
 #: Redis Cluster's hash slots.
 SLOTS = 16384
+#: The version of the layout record (`Keys.layout`) and of the key names it implies.
+LAYOUT_SCHEMA = "threadline.layout/v1"
 #: How much longer a turn's shard pointer (`Keys.turn_shard`) lives than the turn's record does after
 #: its end (`TL_TURN_TTL_S`): the pointer is written when the turn is submitted.
 TURN_SHARD_SLACK_S = 86_400
@@ -55,9 +57,9 @@ def shard_tag(shard: int, count: int) -> str:
 
 
 def layout_record(shards: int) -> dict[str, object]:
-    """What `Keys.layout` holds (JSON): the shard count and each shard's tag, for producers that
-    do not compute tags themselves; `{"shards": 0}` is one server's layout."""
-    return {"shards": shards, "tags": [shard_tag(i, shards) for i in range(shards)]}
+    """What `Keys.layout` holds (JSON, `threadline.layout/v1`): the shard count and each shard's
+    tag, for producers that do not compute tags themselves; `"shards": 0` is one server's layout."""
+    return {"schema": LAYOUT_SCHEMA, "shards": shards, "tags": [shard_tag(i, shards) for i in range(shards)]}
 
 
 class UnboundShard(RuntimeError):
