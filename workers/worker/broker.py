@@ -10,6 +10,12 @@ messages are all picked up, with the ordinary polling latency.
 When Redis does not answer, the process says so once (`Reachability`) and each consumer tries again
 with exponential backoff, instead of dramatiq's critical line per consumer every 3 s. A stopping
 worker's consumers fetch nothing more.
+
+In the sharded layout (`TL_SHARDS`) every queue is one per shard, each in its shard's slot, and
+there is still one consumer per queue (dramatiq's worker sends a message's ack to the consumer its
+body's `queue_name` names): it fetches from its rung shards first, polls every shard in one round
+trip, and stamps each message with the shard it came from (`SHARD_OPTION`), by which its ack, nack,
+requeue, dead letter and any enqueue of it (a retry, a delayed message's move) find their keys.
 """
 
 from __future__ import annotations
@@ -18,19 +24,22 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
+from uuid import uuid4
 
 import dramatiq
 import redis
 import structlog
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
-from dramatiq.common import q_name
+from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message, get_encoder
 
-from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.keys import Keys, UnboundShard
+from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, json_too_deep
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
@@ -40,6 +49,42 @@ from threadline.workers.worker.listener import Listener
 from threadline.workers.worker.reachability import Reachability
 
 log = structlog.get_logger(__name__)
+
+#: A shard of the sharded layout; None: one server's layout, which has one (`Keys.on(None)`).
+Shard = int | None
+#: dispatch.lua's commands that, in the sharded layout without a shard, run on every shard's keys of
+#: the queue (dramatiq's `flush` and `join`): qsize adds their sizes up.
+_EVERY_SHARD = frozenset({"purge", "qsize"})
+T = TypeVar("T")
+
+
+class Ring(threading.Event):
+    """A consumer's doorbell: set to wake it (a ring of its queue, an ack, a stopping broker). It also
+    keeps which of the queue's shards rang since the consumer last looked (`take`), or that every
+    shard may hold messages (the listener resubscribed: rings may have been lost)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._shards: dict[int, None] = {}
+        self._everywhere = False
+
+    def rang(self, shard: Shard) -> None:
+        """`shard` of the queue has messages (None: any shard may)."""
+        with self._lock:
+            if shard is None:
+                self._everywhere = True
+            else:
+                self._shards[shard] = None
+        self.set()
+
+    def take(self) -> tuple[list[int], bool]:
+        """The shards that rang since the last call, in order, and whether every shard may have messages."""
+        with self._lock:
+            shards, everywhere = list(self._shards), self._everywhere
+            self._shards, self._everywhere = {}, False
+        return shards, everywhere
+
 
 class DoorbellBroker(RedisBroker):
     def __init__(self, *, settings: Settings, url: str, slow_queues: frozenset[str] = frozenset(),
@@ -54,9 +99,11 @@ class DoorbellBroker(RedisBroker):
         #: connection. None: every queue but the delay queues is such a queue.
         self.entry_queues = entry_queues
         self.calls = ModelCalls(settings.model_calls or default_model_calls(), self)
-        self.keys = Keys(settings.prefix)
+        self.keys = Keys(settings.prefix, settings.shards)
+        #: The shards every queue has: each consumer fetches from all of them.
+        self.shards: tuple[Shard, ...] = tuple(range(settings.shards)) or (None,)
         self.url = url
-        self._rings: dict[str, list[threading.Event]] = {}
+        self._rings: dict[str, list[Ring]] = {}
         self._rings_lock = threading.Lock()
         self._listener: Listener | None = None
         self.closing = False
@@ -65,11 +112,12 @@ class DoorbellBroker(RedisBroker):
         #: Per queue, the redis ids of the messages this process's consumers handed to dramatiq and
         #: that are not acked, nacked or requeued yet (`DoorbellConsumer`: what is NOT an orphan).
         self.held: dict[str, set[str]] = {}
-        #: Per queue, the redis ids of messages acked and not yet sent: the queue's consumer sends them
-        #: with its next fetch (`DoorbellConsumer._send_acks`); they stay held until then.
-        self.unsent_acks: dict[str, list[str]] = {}
+        #: Per queue and shard, the redis ids of messages acked and not yet sent: the queue's consumer
+        #: sends them with its next fetch of that shard (`DoorbellConsumer._exchange`); they stay held
+        #: until then. (Redis ids are unique, so `held` needs no shard.)
+        self.unsent_acks: dict[tuple[str, Shard], list[str]] = {}
         self.held_lock = threading.Lock()
-        self._queue_keys: dict[str, list[str]] = {}
+        self._queue_keys: dict[tuple[str, Shard], list[str]] = {}
         self._dispatch_script = self.client.register_script(lua.source("dispatch"))
 
     @property
@@ -77,7 +125,8 @@ class DoorbellBroker(RedisBroker):
         """The process's pub/sub listener, started on first use (worker processes only)."""
         if self._listener is None:
             self._listener = Listener(self.url, reachability=self.reachability)
-            self._listener.on(self.keys.doorbell_channel(), self._ring)
+            self._listener.on_each({self.keys.on(shard).doorbell_channel(): partial(self._ring, shard=shard)
+                                    for shard in self.shards})
             self._listener.on_reconnect(self._ring_all)
         return self._listener
 
@@ -89,7 +138,7 @@ class DoorbellBroker(RedisBroker):
         idle_ms = self.settings.idle_poll_ms if entry else self.settings.delay_poll_ms
         # dramatiq restarts a consumer that lost its connection after 3 s; this adds the backoff
         self._closed.wait(self.reachability.retry_in(queue_name))
-        ring = threading.Event()
+        ring = Ring()
         with self._rings_lock:
             self._rings.setdefault(queue_name, []).append(ring)
         _ = self.listener
@@ -100,9 +149,10 @@ class DoorbellBroker(RedisBroker):
         retry (`Retries`) or moving a delayed message to its queue, and the message it comes from is
         acked right after, so an enqueue given up would lose it. (dramatiq waits out an outage the
         same way to ack.) A stopping process does not wait."""
+        shard = self.shard_of_message(message)
         while True:
             try:
-                enqueued = super().enqueue(message, delay=delay)  # rings too: dispatch.lua's enqueue
+                enqueued = self._enqueue(message, delay, shard)
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if self.closing:
@@ -111,52 +161,119 @@ class DoorbellBroker(RedisBroker):
         self.reachability.ok("enqueue")
         return enqueued
 
-    def queue_keys(self, queue_name: str) -> list[str]:
-        """KEYS of dispatch.lua (and dead_letter.lua) for a queue: the queue, its messages, this
-        worker's ack set of it, and the dead-letter set and bodies of its canonical queue."""
-        keys = self._queue_keys.get(queue_name)
+    def shard_of_message(self, message: Message[Any] | dramatiq.MessageProxy) -> Shard:
+        """The shard a message belongs on: the one its consumer fetched it from (`SHARD_OPTION`);
+        None in one server's layout. A sharded layout's message without one is a bug of its sender,
+        never guessed: it would put the turn's message into another shard's slot."""
+        if not self.keys.shards:
+            return None
+        shard = message.options.get(SHARD_OPTION)
+        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < self.keys.shards:
+            raise UnboundShard(f"message {message.message_id} of queue {message.queue_name!r} has no shard of "
+                               f"{self.keys.shards} in its {SHARD_OPTION!r} option ({shard!r}): a sharded layout "
+                               "enqueues only messages fetched from a shard (the turn's)")
+        return shard
+
+    def _enqueue(self, message: Message[Any], delay: int | None, shard: Shard) -> Message[Any]:
+        """dramatiq's `RedisBroker.enqueue` (the same options, eta, body and middleware hooks), onto the
+        queue of `shard`; dispatch.lua's enqueue rings that shard's doorbell in the same call."""
+        queue_name = message.queue_name
+        # a redelivered message is stored anew: each needs a redis id of its own
+        message = message.copy(options={"redis_message_id": str(uuid4())})
+        if delay is not None:
+            queue_name = dq_name(queue_name)
+            message = message.copy(queue_name=queue_name, options={"eta": current_millis() + delay})
+        self.emit_before("enqueue", message, delay)
+        self.do_enqueue(queue_name, message.options["redis_message_id"], message.encode(), shard=shard)
+        self.emit_after("enqueue", message, delay)
+        return message
+
+    def queue_keys(self, queue_name: str, shard: Shard = None) -> list[str]:
+        """KEYS of dispatch.lua (and dead_letter.lua) for a queue of `shard`: the queue, its messages,
+        this worker's ack set of it, and the dead-letter set and bodies of its canonical queue."""
+        keys = self._queue_keys.get((queue_name, shard))
         if keys is None:
-            canonical = q_name(queue_name)
-            keys = self._queue_keys[queue_name] = [
-                self.keys.queue(queue_name), self.keys.queue_messages(queue_name),
-                self.keys.acks(self.broker_id, queue_name),
-                self.keys.dead_queue(canonical), self.keys.dead_queue_messages(canonical)]
+            canonical, on = q_name(queue_name), self.keys.on(shard)
+            keys = self._queue_keys[queue_name, shard] = [
+                on.queue(queue_name), on.queue_messages(queue_name), on.acks(self.broker_id, queue_name),
+                on.dead_queue(canonical), on.dead_queue_messages(canonical)]
         return keys
 
-    def dispatch_keys(self, command: str, queue_name: str) -> list[str]:
-        """KEYS of one dispatch.lua call. A queue's keys share its name, so a queue named with a hash
-        tag (a shard's: `resolve{s3}`) keeps every call in one Redis Cluster slot."""
+    def dispatch_keys(self, command: str, queue_name: str, shard: Shard = None) -> list[str]:
+        """KEYS of one dispatch.lua call. A queue's keys share its name (and a shard's queue its
+        shard's tag), so a queue named with a hash tag (`resolve{s3}`) keeps every call in one slot."""
         if command != "qsize":
-            return self.queue_keys(queue_name)
-        canonical = q_name(queue_name)
+            return self.queue_keys(queue_name, shard)
+        canonical, on = q_name(queue_name), self.keys.on(shard)
         delayed = f"{canonical}.DQ"
-        return [self.keys.queue_messages(canonical), self.keys.acks(self.broker_id, canonical),
-                self.keys.queue_messages(delayed), self.keys.acks(self.broker_id, delayed)]
+        return [on.queue_messages(canonical), on.acks(self.broker_id, canonical),
+                on.queue_messages(delayed), on.acks(self.broker_id, delayed)]
+
+    def _dispatch_call(self, command: str, queue_name: str, shard: Shard, args: Sequence[Any]) -> tuple[
+            list[str], list[Any]]:
+        """KEYS and ARGV of dispatch.lua's `command` on the queue of `shard`."""
+        keys = self.dispatch_keys(command, queue_name, shard)
+        if command == "enqueue":
+            args = (*args, self.keys.on(shard).doorbell_channel(), queue_name)
+        elif command == "nack":
+            args = (*args, self.dead_message_ttl)
+        unpack = self._max_unpack_size()  # type: ignore[no-untyped-call]
+        return keys, [command, now_ms(), unpack, *args]
 
     def _dispatch(self, command: str) -> Callable[..., Any]:
-        """dramatiq's `do_<command>(queue_name, *args)`, run by dispatch.lua with every key in KEYS."""
+        """dramatiq's `do_<command>(queue_name, *args)`, run by dispatch.lua with every key in KEYS, on
+        the keys of `shard` (sharded layout; dramatiq's own `flush` and `join` name none: every shard)."""
         script = self._dispatch_script
 
-        def do_dispatch(queue_name: str, *args: Any) -> Any:
-            keys = self.dispatch_keys(command, queue_name)
-            if command == "enqueue":
-                args = (*args, self.keys.doorbell_channel(), queue_name)
-            elif command == "nack":
-                args = (*args, self.dead_message_ttl)
-            unpack = self._max_unpack_size()  # type: ignore[no-untyped-call]
-            return script(keys=keys, args=[command, now_ms(), unpack, *args])
+        def do_dispatch(queue_name: str, *args: Any, shard: Shard = None) -> Any:
+            if shard is None and self.keys.shards and command in _EVERY_SHARD:
+                replies = [do_dispatch(queue_name, *args, shard=s) for s in self.shards]
+                return sum(replies) if command == "qsize" else 1
+            keys, argv = self._dispatch_call(command, queue_name, shard, args)
+            return script(keys=keys, args=argv)
 
         return do_dispatch
 
-    def _ring(self, queue_name: str) -> None:
+    def dispatch_each(self, calls: Sequence[tuple[str, str, Shard, Sequence[Any]]],
+                      lengths: Sequence[str] = ()) -> tuple[list[Any], list[Any]]:
+        """In one round trip (a pipeline, not a transaction: each call is in its own shard's slot),
+        dispatch.lua's `(command, queue, shard, args)` calls and LLEN of the `lengths` keys: their
+        replies, an exception in place of a call that failed."""
+        replies = self._pipeline(calls, lengths)
+        # EVALSHA straight away: redis-py's pipeline would send SCRIPT EXISTS first, every time
+        missing = [i for i, reply in enumerate(replies[:len(calls)])
+                   if isinstance(reply, redis.exceptions.NoScriptError)]
+        if missing:  # the server lost its scripts (a restart): none of these ran
+            self.client.script_load(self._dispatch_script.script)
+            for i, reply in zip(missing, self._pipeline([calls[i] for i in missing], ()), strict=True):
+                replies[i] = reply
+        return replies[:len(calls)], replies[len(calls):]
+
+    def _pipeline(self, calls: Sequence[tuple[str, str, Shard, Sequence[Any]]], lengths: Sequence[str]) -> list[Any]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for command, queue_name, shard, args in calls:
+                keys, argv = self._dispatch_call(command, queue_name, shard, args)
+                pipe.evalsha(self._dispatch_script.sha, len(keys), *keys, *argv)
+            for key in lengths:
+                pipe.llen(key)
+            return list(pipe.execute(raise_on_error=False))
+
+    def _ring(self, queue_name: str, shard: Shard = None) -> None:
         with self._rings_lock:
             rings = list(self._rings.get(queue_name, ()))
         for ring in rings:
-            ring.set()
+            ring.rang(shard)
 
-    def ring(self, queue_name: str) -> None:
-        """Tell every worker that `queue_name` has messages (ones put back without an enqueue)."""
-        self.client.publish(self.keys.doorbell_channel(), queue_name)
+    def ring(self, queue_name: str, shard: Shard = None) -> None:
+        """Tell every worker that `queue_name` of `shard` has messages (ones put back without an
+        enqueue); the sharded layout's without a shard: every shard's (one round trip)."""
+        if shard is not None or not self.keys.shards:
+            self.client.publish(self.keys.on(shard).doorbell_channel(), queue_name)
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for keys in self.keys.every_shard():
+                pipe.publish(keys.doorbell_channel(), queue_name)
+            pipe.execute()
 
     def before_shutdown(self) -> None:
         """Stop fetching, and wake every idle consumer so that a stopping worker does not wait out
@@ -169,7 +286,7 @@ class DoorbellBroker(RedisBroker):
         with self._rings_lock:
             rings = [r for group in self._rings.values() for r in group]
         for ring in rings:
-            ring.set()
+            ring.rang(None)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -268,7 +385,7 @@ class DoorbellConsumer(_RedisConsumer):
     message_cache: list[dramatiq.MessageProxy]
 
     def __init__(
-        self, broker: DoorbellBroker, queue_name: str, prefetch: int, idle_ms: int, ring: threading.Event
+        self, broker: DoorbellBroker, queue_name: str, prefetch: int, idle_ms: int, ring: Ring
     ) -> None:
         super().__init__(broker, queue_name, prefetch, idle_ms)  # type: ignore[no-untyped-call]
         self.ring = ring
@@ -276,11 +393,34 @@ class DoorbellConsumer(_RedisConsumer):
         self.delayed = queue_name.endswith(".DQ")
         # The dead-letter set is the canonical queue's: `resolve.DQ` -> `resolve.XQ`.
         self.canonical_queue = q_name(queue_name)
-        _, bodies, acks, dead, dead_bodies = broker.queue_keys(queue_name)
-        self._dead_letter_keys = [acks, bodies, dead, dead_bodies, broker.keys.dead_letters()]
         self._dead_letter_script = broker.client.register_script(lua.source("dead_letter"))
         #: Look for orphans before the first fetch (`_requeue_orphans`).
         self._sweep = True
+        #: Sharded layout: the shards the next look fetches from, in order (rung, or full at their last
+        #: fetch: they may hold more); one that answers fewer messages than asked for leaves.
+        self._pending: dict[Shard, None] = {}
+        #: Sharded layout: when the next look polls every shard (what rang nothing: raw producers'
+        #: enqueues, rings lost with a connection), `idle_s` after the last poll; the first look does.
+        self._poll_at = 0.0
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.broker.keys.shards)
+
+    def _run(self, command: str, shard: Shard, *args: Any) -> Any:
+        """dispatch.lua's `command` on this queue's keys of `shard` (`do_<command>`)."""
+        do = getattr(self.broker, f"do_{command}")
+        return do(self.queue_name, *args) if shard is None else do(self.queue_name, *args, shard=shard)
+
+    def _settle(self, command: str, message: dramatiq.MessageProxy) -> None:
+        """What dramatiq's consumer does to ack or nack, on the keys of the message's shard: a lost
+        connection is `ConnectionClosed` (dramatiq's post-processing then tries again)."""
+        try:
+            self._run(command, self.broker.shard_of_message(message), message.options["redis_message_id"])
+        except redis.ConnectionError as e:
+            raise ConnectionClosed(e) from None  # type: ignore[no-untyped-call]
+        finally:
+            self.queued_message_ids.discard(message.message_id)
 
     def ack(self, message: dramatiq.MessageProxy) -> None:
         if self.broker.calls.defer_ack(message, self):
@@ -305,47 +445,72 @@ class DoorbellConsumer(_RedisConsumer):
                 self.broker._closed.wait(1.0)
 
     def _ack(self, message: dramatiq.MessageProxy) -> None:
-        """Acks ride on the consumer's next fetch, which the ack wakes: one round trip for a message
-        done and the next one taken, not two. The message stays held (no orphan) until its ack is
-        sent; a stopping process sends it at once, as dramatiq does."""
+        """Acks ride on the consumer's next fetch of the message's shard, which the ack wakes: one round
+        trip for a message done and the next one taken, not two. The message stays held (no orphan)
+        until its ack is sent; a stopping process sends it at once, as dramatiq does."""
+        shard = self.broker.shard_of_message(message)
         if self.broker.closing:
             try:
-                super().ack(message)  # type: ignore[no-untyped-call]
+                self._settle("ack", message)
                 self._release(message)  # not when the ack failed: dramatiq tries it again, and it is still held
             finally:
                 self.ring.set()
             return
         with self.broker.held_lock:
-            self.broker.unsent_acks.setdefault(self.queue_name, []).append(message.options["redis_message_id"])
+            self.broker.unsent_acks.setdefault((self.queue_name, shard), []).append(message.options["redis_message_id"])
         self.queued_message_ids.discard(message.message_id)  # what dramatiq's ack does locally
         self.ring.set()
 
-    def _send_acks(self, fetch: int) -> list[bytes | None]:
-        """Send the queue's unsent acks, with a fetch of up to `fetch` messages (0: none) in the same
-        call; the fetched (id, body, ...). Acks a lost connection kept from Redis are sent next time."""
+    def _exchange(self, counts: Mapping[Shard, int], peeks: Sequence[Shard] = ()) -> tuple[
+            dict[Shard, list[bytes | None]], list[int]]:
+        """Send the unsent acks of the shards in `counts`, each with a fetch of up to `counts[shard]`
+        messages (0: none) in the same call, and read the lengths of the queues of `peeks`, in one round
+        trip: the fetched (id, body, ...) per shard, and the lengths. One server's layout: its one call,
+        as before. Acks a lost connection or a failed call kept from Redis are sent next time."""
         with self.broker.held_lock:
-            acks = self.broker.unsent_acks.pop(self.queue_name, [])
-        if not acks and not fetch:
-            return []
-        fetched: list[bytes | None] = []
+            acks = {shard: self.broker.unsent_acks.pop((self.queue_name, shard), []) for shard in counts}
+        calls = [(shard, count, acks[shard]) for shard, count in counts.items() if count or acks[shard]]
+        replies: list[Any] = []
+        lengths: list[Any] = []
         try:
-            if fetch:
-                fetched = self.broker.do_fetch(self.queue_name, fetch, *acks)
-            else:
-                self.broker.do_ack(self.queue_name, *acks)
+            if len(calls) == 1 and not peeks:
+                shard, count, ids = calls[0]
+                replies = [self._run("fetch", shard, count, *ids) if count else self._run("ack", shard, *ids)]
+            elif calls or peeks:
+                replies, lengths = self.broker.dispatch_each(
+                    [("fetch" if count else "ack", self.queue_name, shard, (count, *ids) if count else ids)
+                     for shard, count, ids in calls],
+                    [self.broker.keys.on(shard).queue(self.queue_name) for shard in peeks])
         except redis.RedisError:
-            with self.broker.held_lock:
-                self.broker.unsent_acks[self.queue_name] = acks + self.broker.unsent_acks.get(self.queue_name, [])
+            self._unsend(acks)
             raise
-        if acks:
-            with self.broker.held_lock:
-                held = self.broker.held.get(self.queue_name, set())
-                held.difference_update(acks)
-        return fetched
+        fetched: dict[Shard, list[bytes | None]] = {}
+        failed = next((r for r in lengths if isinstance(r, Exception)), None)
+        for (shard, count, ids), reply in zip(calls, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._unsend({shard: ids})
+                failed = failed or reply
+                continue
+            if ids:
+                with self.broker.held_lock:
+                    self.broker.held.get(self.queue_name, set()).difference_update(ids)
+            if count:
+                fetched[shard] = reply
+        if failed is not None:
+            raise failed  # what the other calls fetched is not held: the next consumer puts it back
+        return fetched, lengths
+
+    def _unsend(self, acks: Mapping[Shard, list[str]]) -> None:
+        """Put acks that did not reach Redis back in front of the unsent ones."""
+        with self.broker.held_lock:
+            for shard, ids in acks.items():
+                if ids:
+                    key = (self.queue_name, shard)
+                    self.broker.unsent_acks[key] = ids + self.broker.unsent_acks.get(key, [])
 
     def close(self) -> None:
         with contextlib.suppress(redis.RedisError):
-            self._send_acks(0)
+            self._exchange(dict.fromkeys(self.broker.shards, 0))
         super().close()
 
     def nack(self, message: dramatiq.MessageProxy) -> None:
@@ -358,21 +523,24 @@ class DoorbellConsumer(_RedisConsumer):
 
     def _nack(self, message: dramatiq.MessageProxy) -> None:
         try:
-            super().nack(message)  # type: ignore[no-untyped-call]
+            self._settle("nack", message)
             self._release(message)
             self._record_nack(message)
         finally:
             self.ring.set()  # capacity freed: a ring passed over while the consumer was full is answered
 
     def requeue(self, messages: Iterable[dramatiq.MessageProxy]) -> None:
-        listed = list(messages)
-        super().requeue(listed)  # type: ignore[no-untyped-call]
-        for message in listed:
-            self._release(message)
-        if listed:
+        by_shard: dict[Shard, list[dramatiq.MessageProxy]] = {}
+        for message in messages:
+            by_shard.setdefault(self.broker.shard_of_message(message), []).append(message)
+        for shard, listed in by_shard.items():
+            self._run("requeue", shard, *(m.options["redis_message_id"] for m in listed))
+            for message in listed:
+                self._release(message)
+        for shard in by_shard:
             # put back without an enqueue (a stopping worker's): ring, or they wait for a poll
             with contextlib.suppress(redis.RedisError):
-                self.broker.ring(self.queue_name)
+                self.broker.ring(self.queue_name, shard)
 
     def _hold(self, message: dramatiq.MessageProxy) -> None:
         with self.broker.held_lock:
@@ -383,26 +551,36 @@ class DoorbellConsumer(_RedisConsumer):
             self.broker.held.get(self.queue_name, set()).discard(message.options["redis_message_id"])
 
     def _requeue_orphans(self) -> None:
-        """Put back the messages this process's ack set holds that no part of the process has: the
-        ones a consumer had fetched when it lost its connection (dramatiq drops a consumer's fetched,
-        not yet handed out messages with it) and the ones of a fetch whose reply was lost. dramatiq
-        gives them back only when the process is gone; without this, their turns would wait for the
-        watchdog's stall time (a delay queue's: every message its last consumer handed out, see
-        below). Runs before a new consumer's first fetch, on the consumer thread."""
-        acks = self._dead_letter_keys[0]
+        """Put back the messages this process's ack sets (one per shard) hold that no part of the
+        process has: the ones a consumer had fetched when it lost its connection (dramatiq drops a
+        consumer's fetched, not yet handed out messages with it) and the ones of a fetch whose reply
+        was lost. dramatiq gives them back only when the process is gone; without this, their turns
+        would wait for the watchdog's stall time (a delay queue's: every message its last consumer
+        handed out, see below). Runs before a new consumer's first fetch, on the consumer thread."""
         with self.broker.held_lock:
             if self.delayed:
                 # a delay queue's messages wait in its consumer thread until their eta, and dramatiq
                 # drops that wait list with a consumer that lost its connection: none is held now
                 self.broker.held.pop(self.queue_name, None)
             held = set(self.broker.held.get(self.queue_name, ()))
-        members = self.broker.client.smembers(acks)
-        orphans = [m for m in (v.decode() if isinstance(v, bytes) else str(v) for v in members) if m not in held]
-        if orphans:
-            self.broker.do_requeue(self.queue_name, *orphans)
-            self.broker.ring(self.queue_name)  # the other processes' consumers may take them too
+        shards = self.broker.shards
+        acks = [self.broker.queue_keys(self.queue_name, shard)[2] for shard in shards]
+        if len(acks) == 1:
+            members = [self.broker.client.smembers(acks[0])]
+        else:
+            with self.broker.client.pipeline(transaction=False) as pipe:
+                for key in acks:
+                    pipe.smembers(key)
+                members = pipe.execute()
+        for shard, found in zip(shards, members, strict=True):
+            orphans = [m for m in (v.decode() if isinstance(v, bytes) else str(v) for v in found) if m not in held]
+            if not orphans:
+                continue
+            self._run("requeue", shard, *orphans)
+            self.broker.ring(self.queue_name, shard)  # the other processes' consumers may take them too
             metrics.ORPHANS_REQUEUED.labels(self.queue_name).inc(len(orphans))
-            log.warning("orphaned_messages_requeued", queue=self.queue_name, messages=len(orphans))
+            log.warning("orphaned_messages_requeued", queue=self.queue_name, messages=len(orphans),
+                        **({} if shard is None else {"shard": shard}))
 
     def __next__(self) -> dramatiq.MessageProxy | None:
         try:
@@ -419,27 +597,65 @@ class DoorbellConsumer(_RedisConsumer):
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()
                 room = 0 if self.broker.closing else max(0, self.prefetch - self.outstanding_message_count)
-                fetched = self._send_acks(room)  # id, body (None when it is gone), id, body, ...
+                fetched = self._look(room)
                 if room:
                     self.broker.reachability.ok(self.queue_name)
-                    self.message_cache = self._admit(fetched)
-                if not fetched:
-                    self.ring.wait(self._wait_s())
+                if not fetched and not (room and self._pending):
+                    self.ring.wait(self._wait_s(room))
                     return None
         except redis.ConnectionError as e:
             self.broker.reachability.failed(self.queue_name, e)
             raise ConnectionClosed(e) from None  # type: ignore[no-untyped-call]
 
-    def _wait_s(self) -> float:
-        # A delay queue holding messages must look at their etas often; otherwise sleep until rung.
+    def _look(self, room: int) -> bool:
+        """One round trip: send the unsent acks, fetch up to `room` messages into the cache, and in the
+        sharded layout poll the shards when due. Whether anything was fetched."""
+        counts, peeks = self._plan(room)
+        fetched, lengths = self._exchange(counts, peeks)
+        for shard, count in counts.items():
+            if count:
+                # fewer than asked for: empty now; as many: it may hold more, and goes behind the others
+                self._pending.pop(shard, None)
+                if len(fetched.get(shard, ())) // 2 >= count:
+                    self._pending[shard] = None
+        self._pending.update((shard, None) for shard, length in zip(peeks, lengths, strict=True) if length)
+        if room:
+            self.message_cache = [m for shard, batch in fetched.items() for m in self._admit(batch, shard)]
+        return any(fetched.values())
+
+    def _plan(self, room: int) -> tuple[dict[Shard, int], list[Shard]]:
+        """How many messages to fetch from which shard (every shard with unsent acks is in, to send
+        them), and which shards' queue lengths to read: one server's layout fetches `room` from its one
+        queue. Sharded: `room` (prefetch is the consumer's, not a shard's) is split over the pending
+        shards, rung first, or else over the shards whose acks are sent anyway; when a poll is due
+        (or the listener resubscribed) every other shard's length is read, and a shard holding
+        messages is pending for the next look."""
+        if not self.sharded:
+            return {None: room}, []
+        rung, everywhere = self.ring.take()
+        self._pending.update(dict.fromkeys(rung))
+        with self.broker.held_lock:
+            acked = [s for s in self.broker.shards if self.broker.unsent_acks.get((self.queue_name, s))]
+        counts = dict.fromkeys(acked, 0) | _share(room, list(self._pending) or acked)
+        now = time.monotonic()
+        if not room or not (everywhere or now >= self._poll_at):
+            return counts, []
+        self._poll_at = now + self.idle_s
+        return counts, [s for s in self.broker.shards if not counts.get(s)]
+
+    def _wait_s(self, room: int) -> float:
+        # A delay queue holding messages must look at their etas often; otherwise sleep until rung
+        # (sharded: or until the next poll is due).
         if self.broker.closing or (self.delayed and self.outstanding_message_count):
             return 0.05
+        if self.sharded and room:
+            return max(0.0, min(self.idle_s, self._poll_at - time.monotonic()))
         return self.idle_s
 
-    def _admit(self, fetched: list[bytes | None]) -> list[dramatiq.MessageProxy]:
-        """The batch's messages (`fetched`: dispatch.lua's id, body pairs); refused bodies and ids
-        without a body are dead-lettered first, in one script, so that nothing of them stays in the
-        ack set (normal batches: no extra call)."""
+    def _admit(self, fetched: list[bytes | None], shard: Shard) -> list[dramatiq.MessageProxy]:
+        """The batch's messages (`fetched`: dispatch.lua's id, body pairs from `shard`'s queue), each
+        stamped with its shard; refused bodies and ids without a body are dead-lettered first, in one
+        script, so that nothing of them stays in the ack set (normal batches: no extra call)."""
         admitted: list[dramatiq.MessageProxy] = []
         refused: list[tuple[bytes, _Refused]] = []
         bodies = fetched[1::2]
@@ -450,19 +666,23 @@ class DoorbellConsumer(_RedisConsumer):
                                     queue_name=self.queue_name, actors=self.broker.actors)
             if isinstance(parsed, _Refused):
                 refused.append((data, parsed))
-            else:
-                admitted.append(dramatiq.MessageProxy(parsed))
+                continue
+            if shard is not None:  # after the option filter: a producer's own value never passes
+                parsed.options[SHARD_OPTION] = shard
+            admitted.append(dramatiq.MessageProxy(parsed))
         missing = len(admitted) + len(refused) < len(bodies)
         if refused or missing:
-            self._dead_letter(refused, sweep=missing)
+            self._dead_letter(refused, shard, sweep=missing)
         return admitted
 
-    def _dead_letter(self, refused: list[tuple[bytes, _Refused]], *, sweep: bool) -> None:
+    def _dead_letter(self, refused: list[tuple[bytes, _Refused]], shard: Shard, *, sweep: bool) -> None:
         args: list[bytes | str | int] = [now_ms(), self.canonical_queue, DEAD_LETTERS_MAXLEN, "1" if sweep else "0"]
         for data, why in refused:
             args += [data, why.reason, why.actor]
+        _, bodies, acks, dead, dead_bodies = self.broker.queue_keys(self.queue_name, shard)
+        keys = [acks, bodies, dead, dead_bodies, self.broker.keys.on(shard).dead_letters()]
         try:
-            reply = self._dead_letter_script(keys=self._dead_letter_keys, args=args)
+            reply = self._dead_letter_script(keys=keys, args=args)
         except redis.ResponseError as e:
             # A script error must not cost the batch its good messages; the bad ones stay behind.
             log.error("dead_letter_failed", queue=self.queue_name, error=type(e).__name__)
@@ -485,12 +705,22 @@ class DoorbellConsumer(_RedisConsumer):
             reason = f"failed: {type(exception).__name__}"
         redis_id = str(message.options.get("redis_message_id", ""))
         entry = {"queue": self.canonical_queue, "message_id": redis_id, "actor": actor, "reason": reason}
+        stream = self.broker.keys.on(self.broker.shard_of_message(message)).dead_letters()
         try:
-            self.broker.client.xadd(self.broker.keys.dead_letters(), entry,  # type: ignore[arg-type]
+            self.broker.client.xadd(stream, entry,  # type: ignore[arg-type]
                                     maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
         except redis.RedisError as e:
             log.warning("dead_letter_record_failed", queue=self.queue_name, error=type(e).__name__)
         log.error("message_dead_lettered", queue=self.queue_name, redis_message_id=_clip(redis_id), reason=reason)
+
+
+def _share(room: int, shards: Sequence[T]) -> dict[T, int]:
+    """`room` split over `shards` as evenly as it goes, the first ones taking the remainder (with less
+    room than shards: one each for the first `room`)."""
+    if not shards:
+        return {}
+    each, extra = divmod(room, len(shards))
+    return {shard: each + (i < extra) for i, shard in enumerate(shards)}
 
 
 def now_ms() -> int:

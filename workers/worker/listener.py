@@ -7,7 +7,7 @@ told so (`on_reconnect`), so that consumers fall back to polling until the subsc
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import redis
@@ -34,8 +34,14 @@ class Listener:
         self._stopping = threading.Event()
 
     def on(self, channel: str, handler: Handler) -> None:
+        self.on_each({channel: handler})
+
+    def on_each(self, handlers: Mapping[str, Handler]) -> None:
+        """Handle several channels (the doorbell's of every shard), subscribed to in one command: the
+        listener confirms its subscription (`on_reconnect`) once for them, not once per channel."""
         with self._lock:
-            self._handlers.setdefault(channel, []).append(handler)
+            for channel, handler in handlers.items():
+                self._handlers.setdefault(channel, []).append(handler)
         self._ensure_started()
 
     def on_reconnect(self, hook: Callable[[], None]) -> None:
