@@ -23,13 +23,10 @@ import redis
 import redis.asyncio as aioredis
 
 from threadline.pipeline.ids import new_conversation_id
-from threadline.workers.protocol.keys import MAX_SHARDS, Keys, layout_record
+from threadline.workers.protocol.keys import MAX_SHARDS, TURN_SHARD_SLACK_S, Keys, layout_record
 from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings
 
-#: How much longer than a turn's record (`TL_TURN_TTL_S`) its shard pointer lives: a reader that
-#: comes late still finds where the turn's keys were, and reads them as gone rather than unknown.
-POINTER_SLACK_S: Final = 86_400
 #: Shards of turns a client submitted, remembered per client; the memo is emptied when it is full
 #: (each entry is one GET away).
 REMEMBERED_TURNS: Final = 10_000
@@ -116,7 +113,9 @@ def pointer_shard(raw: bytes | str | None, keys: Keys) -> int | None:
 
 
 def pointer_ttl_s(turn_ttl_s: int) -> int:
-    return turn_ttl_s + POINTER_SLACK_S
+    """A shard pointer's TTL: the turn's (`TL_TURN_TTL_S`) and `TURN_SHARD_SLACK_S`, so a reader that
+    comes late still finds where the turn's keys were, and reads them as gone rather than unknown."""
+    return turn_ttl_s + TURN_SHARD_SLACK_S
 
 
 class TurnShards:
