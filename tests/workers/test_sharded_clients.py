@@ -8,6 +8,7 @@ other client, gateway and operations tests run in it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from threadline.workers.clients.layout import merged_page
 from threadline.workers.operations.status import Operations
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import CONTROL_QUEUE
+from threadline.workers.settings import Settings
+from threadline.workers.storage.api_keys import KeyRing
 
 SHARDS = 4
 
@@ -273,3 +276,44 @@ def test_operations_sum_usage_queues_and_dead_letters_over_shards(sharded: Clien
     assert ops.replay(mid) == "replayed"
     assert mid.encode() in r.lrange(k.queue(ADMIT_QUEUE), 0, -1)
     assert ops.purge() == 1 and ops.dead_letters() == []
+
+
+# --- the gateway ------------------------------------------------------------------------------------
+
+
+def test_the_gateway_submits_and_reads_turns_in_their_shard(redis_url: str, fresh: str, sharded: Client) -> None:
+    from fastapi.testclient import TestClient
+
+    from threadline.workers.gateway.app import create_app
+
+    sharded.put_agent(AgentConfig.model_validate({"id": "bot", "model": "offline:echo"}))
+    ring = KeyRing(sharded.redis, sharded.keys)
+    tenant_key, user_key = ring.create("acme")[0], ring.create("acme", user_id="u1")[0]
+    other_user = ring.create("acme", user_id="u2")[0]
+    settings = dataclasses.replace(Settings.from_env({}), prefix=fresh, redis_url=redis_url)  # TL_SHARDS 0: stored 4
+    with TestClient(create_app(settings, redis_url, console_dir=None)) as http:
+        def get(path: str, key: str) -> Any:
+            return http.get(path, headers={"Authorization": f"Bearer {key}"})
+
+        posted = http.post("/v1/turns", json={"app_id": "app", "user_id": "u1", "agent_id": "bot", "query": "hi",
+                                              "turn_id": "order-1"}, headers={"Authorization": f"Bearer {user_key}"})
+        assert posted.status_code == 202, posted.text
+        accepted = posted.json()
+        stored = next(t.decode().removeprefix(f"{fresh}:turnshard:")
+                      for t in sharded.redis.scan_iter(f"{fresh}:turnshard:*"))
+        shard = sharded.keys.of_conversation(new_conversation_id(stored))
+        assert sharded.redis.get(sharded.keys.turn_shard(stored)) == str(shard.shard).encode()
+        assert sharded.redis.llen(shard.queue(ADMIT_QUEUE)) == 1
+        assert sharded.redis.get(shard.turn_user(stored)) == b"u1", "the user marker is in the turn's shard"
+        # queued: found by its pointer, seen by its user and its tenant, not by another user
+        assert get(accepted["turn_url"], user_key).json()["status"] == "queued"
+        assert get(accepted["turn_url"], tenant_key).status_code == 200
+        assert get(accepted["turn_url"], other_user).status_code == 404
+        write_turn(sharded.redis, sharded.keys, stored, new_conversation_id(stored), tenant="acme")
+        answer = get(accepted["turn_url"], user_key).json()
+        assert answer["status"] == "succeeded" and answer["result"]["answer"] == "hi there"
+        events = get(accepted["events_url"], user_key)
+        assert events.status_code == 200 and "event: succeeded" in events.text
+        assert http.post(f"{accepted['turn_url']}/cancel", headers={"Authorization": f"Bearer {user_key}"}
+                         ).json()["result"] == "noop: succeeded"
+        assert get("/v1/turns/nope/events", user_key).status_code == 404
