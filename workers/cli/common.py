@@ -82,7 +82,7 @@ def join(settings: Settings) -> str:
 def producer(settings: Settings) -> Client:
     from threadline.workers.clients.client import Client
 
-    return Client(join(settings), prefix=settings.prefix, policy=settings.policy)
+    return Client(join(settings), prefix=settings.prefix, policy=settings.policy, shards=settings.shards)
 
 
 def connect(settings: Settings) -> tuple[str, EmbeddedServer | None]:

@@ -37,7 +37,7 @@ def operations(settings: Settings) -> Iterator[Operations]:
 
     client = redis.Redis.from_url(join(settings))
     try:
-        yield Operations(client, Keys(settings.prefix))
+        yield Operations(client, Keys(settings.prefix), stored_layout=True)
     finally:
         client.close()
 

@@ -22,14 +22,17 @@ T = TypeVar("T")
 
 
 def _with_store(settings: Settings, run: Callable[[WebhookStore], Awaitable[T]]) -> T:
+    """`run` on a webhook store of the stored key layout (this process's TL_SHARDS may be unset)."""
     import asyncio
 
     from threadline.pipeline.stages import DEFAULT_GRAPH
+    from threadline.workers.clients.layout import async_layout_keys
     from threadline.workers.storage.webhooks import WebhookStore
 
     async def go() -> T:
         store = WebhookStore.connect(join(settings), settings, DEFAULT_GRAPH)
         try:
+            store.layout = await async_layout_keys(store.redis, settings.prefix, 0)
             return await run(store)
         finally:
             await store.close()

@@ -3,6 +3,7 @@ events as an async iterator. The gateway streams events with it; agents stay on 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -14,7 +15,7 @@ import redis.asyncio as aioredis
 
 from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
-from threadline.pipeline.ids import new_conversation_id
+from threadline.pipeline.ids import new_conversation_id, valid_turn_id
 from threadline.pipeline.terminal import TERMINAL_TYPES
 from threadline.workers.clients.common import (
     ADMIT_ACTOR,
@@ -45,6 +46,17 @@ from threadline.workers.clients.common import (
     submitted,
     turn_body,
     with_on_busy,
+)
+from threadline.workers.clients.layout import (
+    UNKNOWN_TURN_POLL_MS,
+    TurnShards,
+    async_layout_keys,
+    merged_page,
+    own_shards,
+    pointer_shard,
+    pointer_ttl_s,
+    request_shard,
+    taken_elsewhere,
 )
 from threadline.workers.clients.server import found_server, server_url
 from threadline.workers.protocol.keys import Keys
@@ -100,13 +112,18 @@ class AsyncTurnHandle(BaseHandle):
 
 class AsyncClient:
     def __init__(self, url: str | None = None, *, prefix: str | None = None, max_query_chars: int | None = None,
-                 max_context_chars: int | None = None) -> None:
-        """`url` None: found as `Client()` finds it (`workers/clients/server.py`)."""
+                 max_context_chars: int | None = None, shards: int | None = None) -> None:
+        """`url` None: found as `Client()` finds it (`workers/clients/server.py`). `shards` as `Client`'s:
+        the layout written when none is stored; the first call that needs keys reads it (`layout`)."""
         if url is None:
             url, prefix = found_server(prefix)
         self.url = url
         self.redis = aioredis.Redis.from_url(url)
-        self.keys = Keys("tl" if prefix is None else prefix)
+        self.prefix = "tl" if prefix is None else prefix
+        self.shards = own_shards(shards)
+        self.turn_ttl_s = setting_default("turn_ttl_s")
+        self._keys: Keys | None = None
+        self._turn_shards = TurnShards()
         self.max_query_chars = max_query_chars or setting_default("max_query_chars")
         self.max_context_chars = max_context_chars or setting_default("max_context_chars")
         self.max_inputs_chars = setting_default("max_inputs_chars")
@@ -118,9 +135,35 @@ class AsyncClient:
     def from_settings(cls, settings: Settings, url: str | None = None) -> AsyncClient:
         target = url or server_url(settings)
         client = cls(target, prefix=settings.prefix, max_query_chars=settings.max_query_chars,
-                     max_context_chars=settings.max_context_chars)
+                     max_context_chars=settings.max_context_chars, shards=settings.shards)
         client.max_inputs_chars, client.max_files = settings.max_inputs_chars, settings.max_files
+        client.turn_ttl_s = settings.turn_ttl_s
         return client
+
+    async def layout(self) -> Keys:
+        """The stored layout's keys, read by the first call that needs them (one GET per client;
+        `layout.py`). Concurrent first calls may each read it: they find the same record."""
+        if self._keys is None:
+            self._keys = await async_layout_keys(self.redis, self.prefix, self.shards)
+        return self._keys
+
+    @property
+    def keys(self) -> Keys:
+        """The layout's keys once a call read them (`layout`); before that, a `RuntimeError`: an async
+        client reads nothing outside a coroutine."""
+        if self._keys is None:
+            raise RuntimeError("the key layout is not read yet: await AsyncClient.layout() first")
+        return self._keys
+
+    async def turn_keys(self, turn_id: str) -> Keys | None:
+        """As `Client.turn_keys`: the keys of the turn's shard (None: no pointer, the turn is unknown)."""
+        keys = await self.layout()
+        if not keys.shards:
+            return keys
+        shard = self._turn_shards.get(turn_id)
+        if shard is None:
+            shard = pointer_shard(await self.redis.get(keys.turn_shard(turn_id)), keys)
+        return None if shard is None else keys.on(shard)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -129,7 +172,7 @@ class AsyncClient:
         """`Client.webhook_secret`: the tenant's webhook signing secret (docs/webhooks.md)."""
         from threadline.workers.storage.webhooks import async_webhook_secret
 
-        return await async_webhook_secret(self.redis, self.keys, tenant_id, rotate=rotate)
+        return await async_webhook_secret(self.redis, await self.layout(), tenant_id, rotate=rotate)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -164,15 +207,28 @@ class AsyncClient:
         return AsyncTurnHandle(checked.turn_id, self, request=checked, created=created)
 
     async def _enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, conversation_id: str | None,
-                       turn_id: str | None, owner: str | None, on_busy: str = "") -> tuple[bool, str]:
-        """submit.lua with the request's `on_busy` policy ("" = none named), as `Client.start`."""
+                       turn_id: str | None, owner: str | None, on_busy: str = "",
+                       shard: int | None = None) -> tuple[bool, str]:
+        """submit.lua with the request's `on_busy` policy ("" = none named), as `Client.start`; onto
+        `shard`'s queue (None: the turn's), the turn's shard pointer first, as `Client._submit_turn`."""
+        layout = await self.layout()
+        bound = layout.on(request_shard(layout, conversation_id, turn_id) if shard is None else shard)
+        if turn_id and conversation_id and bound.shard is not None and valid_turn_id(turn_id):
+            pointer = bound.turn_shard(turn_id)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(pointer, bound.shard, nx=True, ex=pointer_ttl_s(self.turn_ttl_s))
+                pipe.get(pointer)
+                other = taken_elsewhere((await pipe.execute())[1], bound.shard)
+            if other is not None:  # the id names a turn of another conversation: not enqueued again
+                return False, text(await self.redis.hget(layout.on(other).turn(turn_id), "tenant_id") or b"")
+            self._turn_shards.remember(turn_id, bound.shard)
         for _ in range(BUSY_ATTEMPTS):
             victims: list[str] = []
             if on_busy and interrupts(on_busy) and conversation_id and turn_id:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    busy_reads(pipe, self.keys, conversation_id, turn_id)
+                    busy_reads(pipe, bound, conversation_id, turn_id)
                     victims = busy_victims(turn_id, await pipe.execute())
-            _, keys, argv = submit_call(self.keys, queue, actor, args, message_id=uuid.uuid4().hex,
+            _, keys, argv = submit_call(bound, queue, actor, args, message_id=uuid.uuid4().hex,
                                         conversation_id=conversation_id, turn_id=turn_id, owner=owner,
                                         now_ms=int(time.time() * 1000), on_busy=on_busy, victims=victims)
             reply = await self._submit(keys=keys, args=argv)
@@ -182,7 +238,7 @@ class AsyncClient:
 
     async def check_agent(self, request: TurnRequest) -> None:
         """As `Client.check_agent`: `AgentNotFound` unless the request's agent (or its draft) exists."""
-        key, field = agent_probe(self.keys, request)
+        key, field = agent_probe(await self.layout(), request)
         if not await (self.redis.hexists(key, field) if field else self.redis.exists(key)):
             raise missing_agent(request)
 
@@ -191,30 +247,43 @@ class AsyncClient:
 
     async def owner(self, turn_id: str) -> str | None:
         """As `Client.owner`."""
-        tenant, cid = await self.redis.hmget(self.keys.turn(turn_id), ["tenant_id", "conversation_id"])
+        keys = await self.turn_keys(turn_id)
+        if keys is None:
+            return None
+        tenant, cid = await self.redis.hmget(keys.turn(turn_id), ["tenant_id", "conversation_id"])
         conversation_tenant = None
         if not tenant and cid:
-            conversation_tenant = await self.redis.hget(self.keys.conversation(text(cid)), "tenant_id")
+            conversation_tenant = await self.redis.hget(keys.conversation(text(cid)), "tenant_id")
         return owner_of(tenant, conversation_tenant)
 
     async def cancel(self, turn_id: str, reason: str = "") -> str:
-        """As `Client.cancel`: "enqueued", or "noop: <status>" for a turn that already ended."""
-
-        status = text(await self.redis.hget(self.keys.turn(turn_id), "status") or "")
+        """As `Client.cancel`: "enqueued", or "noop: <status>" for a turn that already ended (or
+        "noop: unknown", sharded, for a turn with no shard pointer)."""
+        keys = await self.turn_keys(turn_id)
+        if keys is None:
+            return "noop: unknown"
+        status = text(await self.redis.hget(keys.turn(turn_id), "status") or "")
         if status in TERMINAL_TYPES:
             return f"noop: {status}"
         await self._enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason), conversation_id=None, turn_id=None,
-                            owner=None)
+                            owner=None, shard=keys.shard)
         return "enqueued"
 
     async def entries(self, turn_id: str, *, after: str = "0", follow: bool = False,
                       timeout_s: float | None = None) -> AsyncIterator[tuple[str, Event]]:
-        """(stream entry id, event) after the entry id `after`; with `follow`, until the terminal one."""
-        key = self.keys.events(turn_id)
+        """(stream entry id, event) after the entry id `after`; with `follow`, until the terminal one
+        (a turn not known yet is looked for again, as `Client.entries`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        keys = await self.turn_keys(turn_id)
         while True:
             block = read_block_ms(turn_id, follow=follow, deadline=deadline, timeout_s=timeout_s)
-            found = stream_entries(await self.redis.xread({key: after}, block=block, count=500))
+            if keys is None:
+                if not follow:
+                    return
+                await asyncio.sleep(min(block or 0, UNKNOWN_TURN_POLL_MS) / 1000)
+                keys = await self.turn_keys(turn_id)
+                continue
+            found = stream_entries(await self.redis.xread({keys.events(turn_id): after}, block=block, count=500))
             for after, event in found:
                 yield after, event
                 if event.type in TERMINAL_TYPES:
@@ -230,7 +299,8 @@ class AsyncClient:
     async def terminal(self, turn_id: str) -> Terminal | None:
         from threadline.pipeline import events as ev
 
-        last: Any = await self.redis.xrevrange(self.keys.events(turn_id), count=1)
+        keys = await self.turn_keys(turn_id)
+        last: Any = await self.redis.xrevrange(keys.events(turn_id), count=1) if keys is not None else None
         event = ev.decode(last[0][1][b"json"]) if last else None
         return event if isinstance(event, ev.Terminal) else None
 
@@ -245,27 +315,35 @@ class AsyncClient:
     async def turn_state(self, turn_id: str) -> TurnState:
         from threadline.workers.protocol.schema import TurnState, text_map
 
-        return TurnState.from_hash(text_map(await self.redis.hgetall(self.keys.turn(turn_id))))
+        keys = await self.turn_keys(turn_id)
+        return TurnState.from_hash(text_map(await self.redis.hgetall(keys.turn(turn_id)) if keys is not None else {}))
 
     # --- conversations -------------------------------------------------------------------------
 
     async def conversation(self, conversation_id: str) -> ConversationRecord | None:
         from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
-        fields = text_map(await self.redis.hgetall(self.keys.conversation(conversation_id)))
+        fields = text_map(await self.redis.hgetall((await self.layout()).conversation(conversation_id)))
         return conversation_from_hash(conversation_id, fields)
 
     async def conversations(self, tenant_id: str, *, limit: int = 50, offset: int = 0) -> list[ConversationRecord]:
         """As `Client.conversations`."""
         from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
-        index = self.keys.tenant_conversations(tenant_id)
-        ids = [text(cast(bytes, c)) for c in await self.redis.zrevrange(index, offset, offset + limit - 1)]
+        keys = await self.layout()
+        if not keys.shards:
+            index = keys.tenant_conversations(tenant_id)
+            ids = [text(cast(bytes, c)) for c in await self.redis.zrevrange(index, offset, offset + limit - 1)]
+        else:  # an index per shard, merged by score
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for shard in keys.every_shard():
+                    pipe.zrevrange(shard.tenant_conversations(tenant_id), 0, offset + limit - 1, withscores=True)
+                ids = merged_page(await pipe.execute(), offset, limit)
         found: list[ConversationRecord] = []
         for cid in ids:
-            record = conversation_from_hash(cid, text_map(await self.redis.hgetall(self.keys.conversation(cid))))
+            record = conversation_from_hash(cid, text_map(await self.redis.hgetall(keys.conversation(cid))))
             if record is None or record.tenant_id != tenant_id:
-                await self.redis.zrem(index, cid)
+                await self.redis.zrem(keys.of_conversation(cid).tenant_conversations(tenant_id), cid)
             else:
                 found.append(record)
         return found
@@ -273,7 +351,7 @@ class AsyncClient:
     async def messages(self, conversation_id: str) -> list[MessageRecord]:
         from threadline.pipeline.records import MessageRecord
 
-        rows = await self.redis.hvals(self.keys.messages(conversation_id))
+        rows = await self.redis.hvals((await self.layout()).messages(conversation_id))
         return sorted((MessageRecord.model_validate_json(r) for r in rows), key=lambda m: m.created_at)
 
     async def thread(self, conversation_id: str, message_id: str | None = None) -> list[MessageRecord]:
@@ -288,7 +366,8 @@ class AsyncClient:
 
     async def conversation_decisions(self, conversation_id: str) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
-        async for field, value in self.redis.hscan_iter(self.keys.decisions(conversation_id), count=500):
+        keys = await self.layout()
+        async for field, value in self.redis.hscan_iter(keys.decisions(conversation_id), count=500):
             turn_id, _, stage = text(cast(bytes, field)).rpartition(":")
             out.setdefault(turn_id, {})[stage] = json.loads(value)
         return out
@@ -307,17 +386,18 @@ class AsyncClient:
 
         if valid_id(conversation_id) is None:
             raise InvalidRequest(f"{conversation_id!r} is not a conversation id")
+        own = (await self.layout()).of_conversation(conversation_id)
         for _ in range(DELETE_ATTEMPTS):
             rows = {text(mid): turn_of_row(row)
-                    async for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
-            stored, user = await self.redis.hmget(self.keys.conversation(conversation_id), ["tenant_id", "user_id"])
-            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
+                    async for mid, row in self.redis.hscan_iter(own.messages(conversation_id), count=500)}
+            stored, user = await self.redis.hmget(own.conversation(conversation_id), ["tenant_id", "user_id"])
+            keys, arg = deletion(own, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
                                  stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, await self._delete(keys=keys, args=[arg]))
             if result is not None:
                 if result.status == "deleted" and stored is not None and user is not None:
                     # what long-term memory extracted from it goes with it
-                    await self.memory_store.forget_conversation(text(stored), conversation_id, text(user))
+                    await (await self._memory()).forget_conversation(text(stored), conversation_id, text(user))
                 return result
         return DeleteResult("busy", conversation_id)
 
@@ -325,34 +405,42 @@ class AsyncClient:
 
     @cached_property
     def memory_store(self) -> MemoryStore:
+        """The memory store (its keys: the layout's, once read; `_memory` reads it first)."""
         from threadline.workers.storage.memory import MemoryStore
 
         return MemoryStore(self.redis, self.keys)
+
+    async def _memory(self) -> MemoryStore:
+        await self.layout()
+        return self.memory_store
 
     async def memory(self, tenant_id: str, user_id: str, *, app_id: str | None = None, agent_id: str | None = None,
                      history: bool = False) -> list[MemoryRecord]:
         """As `Client.memory`."""
         scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
-        records = (await self.memory_store.read(scope))[0] if history else await self.memory_store.current(scope)
+        store = await self._memory()
+        records = (await store.read(scope))[0] if history else await store.current(scope)
         return listed_memory(records, scope, history=history)
 
     async def memory_record(self, tenant_id: str, user_id: str, record_id: str, *, app_id: str | None = None,
                             agent_id: str | None = None) -> MemoryRecord:
         """As `Client.memory_record`."""
         scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
-        return found_memory((await self.memory_store.read(scope))[0], scope, record_id)
+        store = await self._memory()
+        return found_memory((await store.read(scope))[0], scope, record_id)
 
     async def set_memory(self, tenant_id: str, user_id: str, *, value: str, key: str | None = None,
                          record_id: str | None = None, note: bool = False, origin: str = "user",
                          app_id: str | None = None, agent_id: str | None = None) -> MemoryRecord:
         """As `Client.set_memory`."""
         scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        store = await self._memory()
         for _ in range(MEMORY_ATTEMPTS):
-            records, revision = await self.memory_store.read(scope)
+            records, revision = await store.read(scope)
             now = time.time()
             edit = memory_edit(records, scope, value=value, key=key, record_id=record_id, note=note, origin=origin,
                                now=now)
-            if not edit.changed or await self.memory_store.apply(scope, edit, revision=revision, now=now):
+            if not edit.changed or await store.apply(scope, edit, revision=revision, now=now):
                 return edited_record(edit)
         raise RuntimeError("the memory kept changing; try again")
 
@@ -361,11 +449,12 @@ class AsyncClient:
                             agent_id: str | None = None) -> int:
         """As `Client.forget_memory`."""
         scope = memory_scope(tenant_id, user_id, app_id=app_id, agent_id=agent_id)
+        store = await self._memory()
         if forgets_everything(scope, key=key, record_id=record_id, everything=all):
-            return await self.memory_store.forget_all(scope)
+            return await store.forget_all(scope)
         for _ in range(MEMORY_ATTEMPTS):
-            records, revision = await self.memory_store.read(scope)
+            records, revision = await store.read(scope)
             gone = memory_forgetting(records, scope, key=key, record_id=record_id)
-            if not gone.changed or await self.memory_store.apply(scope, gone, revision=revision):
+            if not gone.changed or await store.apply(scope, gone, revision=revision):
                 return len(gone.deletes)
         raise RuntimeError("the memory kept changing; try again")

@@ -19,7 +19,7 @@ import redis
 
 from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
-from threadline.pipeline.ids import new_conversation_id, valid_id
+from threadline.pipeline.ids import new_conversation_id, valid_id, valid_turn_id
 from threadline.pipeline.policy import ModelPolicy
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.pipeline.terminal import TERMINAL_TYPES
@@ -52,6 +52,18 @@ from threadline.workers.clients.common import (
     submitted,
     turn_body,
     with_on_busy,
+)
+from threadline.workers.clients.layout import (
+    UNKNOWN_TURN_POLL_MS,
+    TurnShards,
+    layout_keys,
+    merged_page,
+    own_shards,
+    pointer_shard,
+    pointer_ttl_s,
+    raw_ids,
+    request_shard,
+    taken_elsewhere,
 )
 from threadline.workers.clients.server import found_server, server_url
 from threadline.workers.protocol.keys import Keys
@@ -116,10 +128,12 @@ class TurnHandle(BaseHandle):
 
 class Client:
     def __init__(self, url: str | None = None, *, prefix: str | None = None, policy: ModelPolicy | None = None,
-                 max_query_chars: int | None = None, max_context_chars: int | None = None) -> None:
+                 max_query_chars: int | None = None, max_context_chars: int | None = None,
+                 shards: int | None = None) -> None:
         """`url` None: the server the CLI would talk to (`REDIS_URL`, else the embedded server a running
         `threadline worker` started; `NoServer` when there is none), and `TL_PREFIX` for `prefix`.
-        Otherwise `prefix` defaults to "tl"."""
+        Otherwise `prefix` defaults to "tl". `shards` (None: `TL_SHARDS`) is the layout this client
+        writes when it finds none stored; the stored one is used (`layout.py`)."""
         if url is None:
             url, prefix = found_server(prefix)
         self.url = url
@@ -131,10 +145,31 @@ class Client:
         self.max_inputs_chars = setting_default("max_inputs_chars")
         self.max_files = setting_default("max_files")
         self.redis = redis.Redis.from_url(url)
-        self.keys = Keys("tl" if prefix is None else prefix)
-        self.namespace = f"{self.keys.prefix}:q"
+        self.prefix = "tl" if prefix is None else prefix
+        #: This client's own shard count (`layout.py`: what it writes when no layout is stored).
+        self.shards = own_shards(shards)
+        #: How long the workers keep a turn's record (TL_TURN_TTL_S): its shard pointer outlives it.
+        self.turn_ttl_s = setting_default("turn_ttl_s")
+        self.namespace = f"{self.prefix}:q"
+        self._turn_shards = TurnShards()
         self._submit = self.redis.register_script(lua.source("submit"))
         self._delete = self.redis.register_script(lua.source("delete_conversation"))
+
+    @cached_property
+    def keys(self) -> Keys:
+        """The stored layout's keys, read on first need (one GET per client; `layout.py`)."""
+        return layout_keys(self.redis, self.prefix, self.shards)
+
+    def turn_keys(self, turn_id: str) -> Keys | None:
+        """The keys bound to the turn's shard: remembered for the turns this client submitted, else
+        its pointer's (None: no pointer, the turn is unknown). One server's layout: `keys`."""
+        keys = self.keys
+        if not keys.shards:
+            return keys
+        shard = self._turn_shards.get(turn_id)
+        if shard is None:
+            shard = pointer_shard(self.redis.get(keys.turn_shard(turn_id)), keys)
+        return None if shard is None else keys.on(shard)
 
     @cached_property
     def registry(self) -> AgentRegistry:
@@ -146,8 +181,9 @@ class Client:
     def from_settings(cls, settings: Settings, url: str | None = None) -> Client:
         target = url or server_url(settings)
         client = cls(target, prefix=settings.prefix, policy=settings.policy, max_query_chars=settings.max_query_chars,
-                     max_context_chars=settings.max_context_chars)
+                     max_context_chars=settings.max_context_chars, shards=settings.shards)
         client.max_inputs_chars, client.max_files = settings.max_inputs_chars, settings.max_files
+        client.turn_ttl_s = settings.turn_ttl_s
         return client
 
     def close(self) -> None:
@@ -250,16 +286,28 @@ class Client:
 
     def _submit_turn(self, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str,
                      conversation_id: str | None, turn_id: str | None, owner: str | None,
-                     on_busy: str) -> tuple[str, Any]:
+                     on_busy: str, shard: int | None = None) -> tuple[str, Any]:
         """submit.lua (the message id and its reply), applying `on_busy` ("" = none named: the workers
-        apply the agent's at admission); an interrupting turn first reads the turns in its way."""
+        apply the agent's at admission); an interrupting turn first reads the turns in its way. The
+        message goes to `shard`'s queue (None: the turn's, `request_shard`); a turn it registers
+        gets its shard pointer first (sharded layout)."""
+        bound = self.keys.on(request_shard(self.keys, conversation_id, turn_id) if shard is None else shard)
+        if turn_id and conversation_id and bound.shard is not None and valid_turn_id(turn_id):
+            pointer = bound.turn_shard(turn_id)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(pointer, bound.shard, nx=True, ex=pointer_ttl_s(self.turn_ttl_s))
+            pipe.get(pointer)
+            other = taken_elsewhere(pipe.execute()[1], bound.shard)
+            if other is not None:  # the id names a turn of another conversation: not enqueued again
+                return message_id, [b"exists", self.redis.hget(self.keys.on(other).turn(turn_id), "tenant_id") or b""]
+            self._turn_shards.remember(turn_id, bound.shard)
         for _ in range(BUSY_ATTEMPTS):
             victims: list[str] = []
             if on_busy and interrupts(on_busy) and conversation_id and turn_id:
                 pipe = self.redis.pipeline(transaction=False)
-                busy_reads(pipe, self.keys, conversation_id, turn_id)
+                busy_reads(pipe, bound, conversation_id, turn_id)
                 victims = busy_victims(turn_id, pipe.execute())
-            mid, keys, argv = submit_call(self.keys, queue, actor, args, message_id=message_id,
+            mid, keys, argv = submit_call(bound, queue, actor, args, message_id=message_id,
                                           conversation_id=conversation_id, turn_id=turn_id, owner=owner,
                                           now_ms=int(time.time() * 1000), on_busy=on_busy, victims=victims)
             reply = self._submit(keys=keys, args=argv)
@@ -280,7 +328,10 @@ class Client:
 
     def owner(self, turn_id: str) -> str | None:
         """The tenant a turn belongs to (None: unknown, or not accepted yet and submitted without owner)."""
-        tenant, cid = self.redis.hmget(self.keys.turn(turn_id), ["tenant_id", "conversation_id"])
+        keys = self.turn_keys(turn_id)
+        if keys is None:
+            return None
+        tenant, cid = self.redis.hmget(keys.turn(turn_id), ["tenant_id", "conversation_id"])
         conversation_tenant = None
         if not tenant and cid:
             conversation_tenant = self.redis.hget(self.keys.conversation(text(cid)), "tenant_id")
@@ -288,42 +339,54 @@ class Client:
 
     def submit_raw(self, request: object, *, message_id: str | None = None) -> str:
         """Enqueue anything as the `resolve` argument (tests use it for malformed input). Returns the
-        dramatiq message id, which is the turn id of a request that names none."""
-        return self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (request,), message_id=message_id)
+        dramatiq message id, which is the turn id of a request that names none. It goes to the shard
+        of the ids it names, as the workers will read it (the admit stage writes its pointer)."""
+        mid = message_id or uuid.uuid4().hex
+        return self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (request,), message_id=mid,
+                            shard=request_shard(self.keys, *raw_ids(request, mid)))
 
     def enqueue(self, queue: str, actor: str, args: tuple[Any, ...], *, message_id: str | None = None,
-                conversation_id: str | None = None, turn_id: str | None = None, on_busy: str = "") -> str:
+                conversation_id: str | None = None, turn_id: str | None = None, on_busy: str = "",
+                shard: int | None = None) -> str:
         """What any producer does: store a dramatiq message, push its id on the queue, ring the
         doorbell; and a turn for an existing conversation takes its place in that conversation's
         line now, so that turns run in the order they were submitted, with its `on_busy` policy
-        applied (`ConversationBusy` for `reject`, nothing written). Returns the message id."""
+        applied (`ConversationBusy` for `reject`, nothing written). Returns the message id. The
+        sharded layout's queue is `shard`'s (None: the turn's)."""
         mid, reply = self._submit_turn(queue, actor, args, message_id=message_id or uuid.uuid4().hex,
-                                       conversation_id=conversation_id, turn_id=turn_id, owner=None, on_busy=on_busy)
+                                       conversation_id=conversation_id, turn_id=turn_id, owner=None, on_busy=on_busy,
+                                       shard=shard)
         if on_busy:
             submitted(reply, conversation_id or "")
         return mid
 
     def cancel(self, turn_id: str, reason: str = "") -> str:
         """Ask the control queue to cancel a turn. Returns "enqueued", or "noop: <status>" when the
-        turn has already finished (cancelling a finished turn changes nothing)."""
-
+        turn has already finished (cancelling a finished turn changes nothing). The sharded layout's
+        cancel goes to the turn's shard; a turn with no shard pointer is unknown: "noop: unknown"."""
+        keys = self.turn_keys(turn_id)
+        if keys is None:
+            return "noop: unknown"
         # the one field read directly: `TurnState` (workers/protocol/schema.py) imports the records, and so pydantic-ai
-        status = text(self.redis.hget(self.keys.turn(turn_id), "status") or "")
+        status = text(self.redis.hget(keys.turn(turn_id), "status") or "")
         if status in TERMINAL_TYPES:
             return f"noop: {status}"
-        self.enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason))
+        self.enqueue(CONTROL_QUEUE, CANCEL_ACTOR, (turn_id, reason), shard=keys.shard)
         return "enqueued"
 
     def turn_exists(self, turn_id: str) -> bool:
         """True when the turn has a record or events, or its request waits in (or is being taken from)
-        the admit queue: a turn a worker has not picked up yet exists too."""
-        if self.redis.exists(self.keys.turn(turn_id), self.keys.events(turn_id)):
+        the admit queue: a turn a worker has not picked up yet exists too (with no shard pointer, in
+        any shard's admit queue)."""
+        keys = self.turn_keys(turn_id)
+        if keys is not None and self.redis.exists(keys.turn(turn_id), keys.events(turn_id)):
             return True
         needle = json.dumps(turn_id).encode()
-        for queue in (ADMIT_QUEUE, f"{ADMIT_QUEUE}.DQ"):
-            for message_id, data in self.redis.hscan_iter(self.keys.queue_messages(queue), count=500):
-                if text(message_id) == turn_id or (needle in data and _request_turn_id(data) == turn_id):
-                    return True
+        for shard in [keys] if keys is not None else self.keys.every_shard():
+            for queue in (ADMIT_QUEUE, f"{ADMIT_QUEUE}.DQ"):
+                for message_id, data in self.redis.hscan_iter(shard.queue_messages(queue), count=500):
+                    if text(message_id) == turn_id or (needle in data and _request_turn_id(data) == turn_id):
+                        return True
         return False
 
     def events(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,
@@ -335,12 +398,19 @@ class Client:
 
     def entries(self, turn_id: str, *, follow: bool = False, timeout_s: float | None = None,
                 after: str = "0") -> Iterator[tuple[str, Event]]:
-        """`events` with each event's stream entry id, the id to resume after."""
-        key = self.keys.events(turn_id)
+        """`events` with each event's stream entry id, the id to resume after. A turn not known yet
+        (no shard pointer) has no events; followed, it is looked for again until its deadline."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        keys = self.turn_keys(turn_id)
         while True:
             block = read_block_ms(turn_id, follow=follow, deadline=deadline, timeout_s=timeout_s)
-            found = stream_entries(self.redis.xread({key: after}, block=block, count=500))
+            if keys is None:
+                if not follow:
+                    return
+                time.sleep(min(block or 0, UNKNOWN_TURN_POLL_MS) / 1000)
+                keys = self.turn_keys(turn_id)
+                continue
+            found = stream_entries(self.redis.xread({keys.events(turn_id): after}, block=block, count=500))
             for after, event in found:
                 yield after, event
                 if event.type in TERMINAL_TYPES:
@@ -352,7 +422,8 @@ class Client:
         """The turn's terminal event, None while it has not ended (or is unknown); never waits."""
         from threadline.pipeline import events as ev
 
-        last: Any = self.redis.xrevrange(self.keys.events(turn_id), count=1)
+        keys = self.turn_keys(turn_id)
+        last: Any = self.redis.xrevrange(keys.events(turn_id), count=1) if keys is not None else None
         event = ev.decode(last[0][1][b"json"]) if last else None
         return event if isinstance(event, ev.Terminal) else None
 
@@ -378,7 +449,8 @@ class Client:
     def turn_state(self, turn_id: str) -> TurnState:
         from threadline.workers.protocol.schema import TurnState, text_map
 
-        return TurnState.from_hash(text_map(self.redis.hgetall(self.keys.turn(turn_id))))
+        keys = self.turn_keys(turn_id)
+        return TurnState.from_hash(text_map(self.redis.hgetall(keys.turn(turn_id)) if keys is not None else {}))
 
     # --- conversations -------------------------------------------------------------------------
 
@@ -393,8 +465,7 @@ class Client:
         other than by a delete (which removes them) leave the index as they are met."""
         from threadline.workers.protocol.schema import conversation_from_hash, text_map
 
-        index = self.keys.tenant_conversations(tenant_id)
-        ids = [text(cast(bytes, c)) for c in self.redis.zrevrange(index, offset, offset + limit - 1)]
+        ids = self._conversation_ids(tenant_id, limit=limit, offset=offset)
         pipe = self.redis.pipeline(transaction=False)
         for cid in ids:
             pipe.hgetall(self.keys.conversation(cid))
@@ -402,10 +473,20 @@ class Client:
         for cid, fields in zip(ids, pipe.execute(), strict=True):
             record = conversation_from_hash(cid, text_map(fields))
             if record is None or record.tenant_id != tenant_id:
-                self.redis.zrem(index, cid)
+                self.redis.zrem(self.keys.of_conversation(cid).tenant_conversations(tenant_id), cid)
             else:
                 found.append(record)
         return found
+
+    def _conversation_ids(self, tenant_id: str, *, limit: int, offset: int) -> list[str]:
+        """A page of the tenant's conversation index (one per shard: merged by score)."""
+        if not self.keys.shards:
+            index = self.keys.tenant_conversations(tenant_id)
+            return [text(cast(bytes, c)) for c in self.redis.zrevrange(index, offset, offset + limit - 1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in self.keys.every_shard():
+            pipe.zrevrange(shard.tenant_conversations(tenant_id), 0, offset + limit - 1, withscores=True)
+        return merged_page(pipe.execute(), offset, limit)
 
     def conversation_decisions(self, conversation_id: str) -> dict[str, dict[str, Any]]:
         """Every decision record of a conversation: turn id -> stage -> record."""
@@ -490,7 +571,7 @@ class Client:
         pipe.hset(self.keys.conversation(conversation_id), mapping=cast(Any, fields))
         # indexed whether or not the workers' retention is on (the client does not know): an entry
         # costs nothing unread, and goes with the conversation
-        pipe.zadd(self.keys.activity(), {conversation_id: now})
+        pipe.zadd(self.keys.of_conversation(conversation_id).activity(), {conversation_id: now})
         pipe.execute()
         return parent or ""
 
@@ -514,7 +595,8 @@ class Client:
             rows = {text(mid): turn_of_row(row)
                     for mid, row in self.redis.hscan_iter(self.keys.messages(conversation_id), count=500)}
             stored, user = self.redis.hmget(self.keys.conversation(conversation_id), ["tenant_id", "user_id"])
-            keys, arg = deletion(self.keys, DEFAULT_GRAPH, conversation_id, tenant_id=tenant_id, rows=rows,
+            keys, arg = deletion(self.keys.of_conversation(conversation_id), DEFAULT_GRAPH, conversation_id,
+                                 tenant_id=tenant_id, rows=rows,
                                  stored_tenant=text(stored) if stored is not None else None)
             result = delete_result(conversation_id, self._delete(keys=keys, args=[arg]))
             if result is not None:

@@ -99,7 +99,8 @@ def submit_call(keys: Keys, queue: str, actor: str, args: tuple[Any, ...], *, me
                 victims: Sequence[str] = ()) -> tuple[str, list[str], list[str | bytes]]:
     """The message id, KEYS and ARGV of submit.lua: what any producer writes (sync and async clients).
     `on_busy` (the request's policy, "" = none named) is applied by the script, with the `victims`
-    an interrupting turn read (`busy_reads`)."""
+    an interrupting turn read (`busy_reads`). `keys` are bound to the turn's shard (`layout.py`): the
+    queue, the turn and the doorbell are that shard's, and its conversation must be in it."""
     target, mid, data = build_message(queue, actor, args, message_id=message_id, now_ms=now_ms)
     # only ids that name keys of their own take a place in a line (workers refuse the others)
     register = bool(conversation_id and turn_id and valid_turn_id(turn_id) and valid_id(conversation_id))

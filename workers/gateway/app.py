@@ -55,6 +55,7 @@ from threadline.workers.gateway.ratelimit import Limiter
 from threadline.workers.gateway.refusals import install_refusals
 from threadline.workers.gateway.streams import StreamHub
 from threadline.workers.gateway.tenancy import MAX_TURN_ID, Ids, outside, shown
+from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
 from threadline.workers.storage.agents import PutResult, parse_version
 from threadline.workers.storage.api_keys import ApiKey, KeyRing
@@ -112,10 +113,13 @@ class Gateway:
         self.aclient = AsyncClient.from_settings(settings, url)
         pools.use_pool(self.aclient.redis, pools.request_pool(settings, url))
         self.health = pools.health_client(url)
-        self.limits = Limiter(settings, RateLimits(self.aclient.redis, self.aclient.keys))
-        self.auth = Authenticator(settings, self.aclient.redis, self.aclient.keys, self.limits)
-        self.streams = StreamHub(url, self.aclient.keys, self.aclient.redis, renew=self.limits.renew_streams)
-        self.keyring = KeyRing(self.client.redis, self.client.keys)
+        # rate limits and API keys are global keys, the same in every layout: nothing is read here
+        # (a gateway starts while Redis is down, and answers 503 until it is back)
+        global_keys = Keys(settings.prefix)
+        self.limits = Limiter(settings, RateLimits(self.aclient.redis, global_keys))
+        self.auth = Authenticator(settings, self.aclient, self.limits)
+        self.streams = StreamHub(url, self.aclient.turn_keys, self.aclient.redis, renew=self.limits.renew_streams)
+        self.keyring = KeyRing(self.client.redis, global_keys)
         self.ids = Ids(self.aclient)
 
     async def own_turn(self, turn_id: str, key: ApiKey) -> str:

@@ -18,15 +18,14 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-import redis.asyncio as aioredis
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from threadline.pipeline.contracts import TurnRequest
+from threadline.pipeline.contracts import TurnRequest, new_conversation_id
 from threadline.pipeline.records import ConversationRecord
+from threadline.workers.clients.async_client import AsyncClient
 from threadline.workers.gateway.ratelimit import Limiter
 from threadline.workers.gateway.refusals import Refused, forbidden, not_found, unauthorized
-from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import ApiKey, key_digest, parse_key
@@ -40,10 +39,11 @@ CACHE_SIZE = 10_000
 
 
 class Authenticator:
-    def __init__(self, settings: Settings, client: aioredis.Redis, keys: Keys, limiter: Limiter) -> None:
+    def __init__(self, settings: Settings, client: AsyncClient, limiter: Limiter) -> None:
         self.settings = settings
-        self.redis = client
-        self.keys = keys
+        #: The gateway's client: its connections, its key layout and the shards of turns (`layout.py`).
+        self.client = client
+        self.redis = client.redis
         self.limiter = limiter
         self._cache: dict[str, tuple[float, ApiKey]] = {}
         self._used: dict[str, float] = {}
@@ -69,7 +69,8 @@ class Authenticator:
         if cached is not None and now - cached[0] < KEY_CACHE_S:
             return cached[1]
         await self.limiter.check_address(address)  # a throttled address learns nothing of its guesses
-        key = parse_key(await self.redis.hget(self.keys.api_keys(), digest), digest)
+        keys = await self.client.layout()
+        key = parse_key(await self.redis.hget(keys.api_keys(), digest), digest)
         if key is not None:  # unknown keys are not cached: one made a moment ago works at once
             if len(self._cache) >= CACHE_SIZE:
                 self._cache.clear()
@@ -80,7 +81,7 @@ class Authenticator:
         now = time.monotonic()
         if now - self._used.get(key.id, -USED_EVERY_S) >= USED_EVERY_S:
             self._used[key.id] = now
-            await self.redis.hset(self.keys.api_key_used(), key.id, f"{time.time():.3f}")
+            await self.redis.hset((await self.client.layout()).api_key_used(), key.id, f"{time.time():.3f}")
 
     # --- user scope ---------------------------------------------------------------------------
 
@@ -93,7 +94,10 @@ class Authenticator:
             raise forbidden("user_id is not the API key's user")
         if conversation is not None and conversation.user_id != key.user_id:
             raise not_found(f"conversation {conversation.id}")
-        marker = self.keys.turn_user(checked.turn_id)
+        # the marker is in the turn's shard: the one its request names (`layout.request_shard`)
+        layout = await self.client.layout()
+        keys = layout.of_conversation(checked.conversation_id or new_conversation_id(checked.turn_id))
+        marker = keys.turn_user(checked.turn_id)
         ttl = self.settings.artifact_ttl_s + self.settings.turn_ttl_s
         claimed = await self.redis.set(marker, key.user_id, nx=True, ex=ttl)
         if not claimed and text(await self.redis.get(marker) or b"") != key.user_id:
@@ -104,13 +108,16 @@ class Authenticator:
         submitted as by a user-scoped key, else its conversation's (none yet: not this key's)."""
         if key.user_id is None:
             return True
-        marker = await self.redis.get(self.keys.turn_user(turn_id))
+        keys = await self.client.turn_keys(turn_id)
+        if keys is None:  # no shard pointer: no such turn
+            return False
+        marker = await self.redis.get(keys.turn_user(turn_id))
         if marker is not None:
             return text(marker) == key.user_id
-        conversation_id = await self.redis.hget(self.keys.turn(turn_id), "conversation_id")
+        conversation_id = await self.redis.hget(keys.turn(turn_id), "conversation_id")
         if not conversation_id:
             return False
-        user = await self.redis.hget(self.keys.conversation(text(conversation_id)), "user_id")
+        user = await self.redis.hget(keys.conversation(text(conversation_id)), "user_id")
         return user is not None and text(user) == key.user_id
 
     @staticmethod

@@ -79,10 +79,11 @@ class Subscriber:
 class StreamHub:
     """The process's multiplexer: `subscribe` yields a turn's entries after `after` until its end."""
 
-    def __init__(self, url: str, keys: Keys, requests: aioredis.Redis,
+    def __init__(self, url: str, turn_keys: Callable[[str], Awaitable[Keys | None]], requests: aioredis.Redis,
                  renew: Callable[[Sequence[tuple[str, str]]], Awaitable[None]] | None = None) -> None:
+        """`turn_keys`: the keys of a turn's shard (`AsyncClient.turn_keys`; None: an unknown turn)."""
         self.url = url
-        self.keys = keys
+        self.turn_keys = turn_keys
         self.requests = requests
         self._renew = renew
         self._subs: dict[str, set[Subscriber]] = {}
@@ -102,8 +103,12 @@ class StreamHub:
     async def subscribe(self, turn_id: str, after: str = "0",
                         hold: tuple[str, str] | None = None) -> AsyncIterator[tuple[str, Event]]:
         """(entry id, event) of the turn after `after`, live, until the terminal one. `hold`: the
-        (key id, token) of a stream hold to renew while the stream is open."""
-        sub = Subscriber(self.keys.events(turn_id), after, hold)
+        (key id, token) of a stream hold to renew while the stream is open. An unknown turn (no shard
+        pointer, sharded layout) has no events: the stream ends at once."""
+        keys = await self.turn_keys(turn_id)
+        if keys is None:
+            return
+        sub = Subscriber(keys.events(turn_id), after, hold)
         if not await self._backlog(sub):
             self._join(sub)
         try:

@@ -87,7 +87,7 @@ class Ids:
     async def message(self, conversation_id: str, tenant_id: str, external: str) -> str:
         """The stored id of the message `external` of the (stored) conversation: tagged, or as it is."""
         tagged = inside(tenant_id, external)
-        messages = self.client.keys.messages(conversation_id)
+        messages = (await self.client.layout()).messages(conversation_id)
         if valid_id(tagged) and await self.client.redis.hexists(messages, tagged):
             return tagged
         if await self.client.redis.hexists(messages, external):

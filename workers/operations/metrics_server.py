@@ -101,7 +101,7 @@ class MetricsServer:
         self._redis = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
         self.registry = CollectorRegistry()
         MultiProcessCollector(self.registry, path=str(self.directory))  # type: ignore[no-untyped-call]
-        self.registry.register(QueueCollector(Operations(self._redis, Keys(prefix))))
+        self.registry.register(QueueCollector(Operations(self._redis, Keys(prefix), stored_layout=True)))
         self._metrics_app = make_wsgi_app(self.registry)
         self._thread = threading.Thread(target=self._server.serve_forever, name="threadline-metrics", daemon=True)
 

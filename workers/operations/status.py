@@ -129,35 +129,55 @@ class TenantUsage:
 
 
 class Operations:
-    def __init__(self, client: redis.Redis, keys: Keys, *, graph: StageGraph = DEFAULT_GRAPH) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, *, graph: StageGraph = DEFAULT_GRAPH,
+                 stored_layout: bool = False) -> None:
+        """`stored_layout`: `keys` gives the prefix only, and the layout is the stored one
+        (`Keys.layout`), read on first need and never written: a metrics server starts while Redis
+        is down, and a reading tool does not choose a layout."""
         self.redis = client
-        self.keys = keys
+        self._keys = keys
+        self._stored_layout = stored_layout
         self.queues: tuple[str, ...] = graph_queues(graph)
         self._replay = client.register_script(lua.source("dead_letter_replay"))
         self._purge = client.register_script(lua.source("dead_letter_purge"))
 
+    @property
+    def keys(self) -> Keys:
+        if self._stored_layout:
+            self._keys, self._stored_layout = stored_layout(self.redis, self._keys.prefix), False
+        return self._keys
+
     # --- status --------------------------------------------------------------------------------
 
     def status(self, *, now: float | None = None) -> Status:
+        """Every queue's counts summed over the layout's shards (each shard has its own queue keys)."""
         now = time.time() if now is None else now
         # dramatiq's broker ids: whose ack sets hold the messages fetched and not acked
         workers = _scored(self.redis.zrange(self.keys.heartbeats(), 0, -1, withscores=True))
         live = self.live_workers()
+        shards = self.keys.every_shard()
         pipe = self.redis.pipeline(transaction=False)
         for q in self.queues:
-            pipe.llen(self.keys.queue(q))
-            pipe.llen(self.keys.queue(f"{q}.DQ"))
-            pipe.zcard(self.keys.dead_queue(q))
-            pipe.lrange(self.keys.queue(q), 0, OLDEST_SCAN - 1)
-            for worker_id, _ in workers:
-                pipe.scard(self.keys.acks(worker_id, q))
+            for k in shards:
+                pipe.llen(k.queue(q))
+                pipe.llen(k.queue(f"{q}.DQ"))
+                pipe.zcard(k.dead_queue(q))
+                pipe.lrange(k.queue(q), 0, OLDEST_SCAN - 1)
+                for worker_id, _ in workers:
+                    pipe.scard(k.acks(worker_id, q))
         replies = iter(pipe.execute())
         queues = []
         for q in self.queues:
-            depth, delayed, dead, head = next(replies), next(replies), next(replies), next(replies)
-            in_progress = sum(next(replies) for _ in workers)
+            depth = delayed = dead = in_progress = 0
+            ages: list[float] = []
+            for k in shards:
+                depth, delayed, dead = depth + next(replies), delayed + next(replies), dead + next(replies)
+                head = next(replies)
+                in_progress += sum(next(replies) for _ in workers)
+                if (age := self._oldest_age(k, q, head, now)) is not None:
+                    ages.append(age)
             consumers = sum(1 for w in live if q in w.queues)
-            queues.append(QueueStatus(q, depth, delayed, in_progress, dead, self._oldest_age(q, head, now), consumers))
+            queues.append(QueueStatus(q, depth, delayed, in_progress, dead, max(ages, default=None), consumers))
         return Status(tuple(queues), len(live), len(workers), self._in_flight(now), live)
 
     def live_workers(self) -> tuple[WorkerStatus, ...]:
@@ -169,43 +189,49 @@ class Operations:
         beats = cast(list[bytes | None], self.redis.mget([self.keys.worker(w) for w in ids]))
         return tuple(_worker(w, beat) for w, beat in zip(ids, beats, strict=True) if beat is not None)
 
-    def _oldest_age(self, queue: str, ids: Sequence[bytes], now: float) -> float | None:
+    def _oldest_age(self, keys: Keys, queue: str, ids: Sequence[bytes], now: float) -> float | None:
         if not ids:
             return None
-        bodies = cast(list[bytes | None], self.redis.hmget(self.keys.queue_messages(queue), list(ids)))
+        bodies = cast(list[bytes | None], self.redis.hmget(keys.queue_messages(queue), list(ids)))
         stamps = [_timestamp_ms(body) for body in bodies]
         known = [s for s in stamps if s is not None]
         return max(0.0, now - min(known) / 1000) if known else None
 
     def _in_flight(self, now: float) -> InFlight:
-        running = self.keys.running()
-        count = self.redis.zcard(running)
-        stalest = _scored(self.redis.zrange(running, 0, IN_FLIGHT_SCAN - 1, withscores=True))
+        """The turns in flight of every shard; the oldest among each shard's IN_FLIGHT_SCAN stalest."""
+        count = 0
+        stalest: list[tuple[Keys, str, float]] = []
+        for k in self.keys.every_shard():
+            count += self.redis.zcard(k.running())
+            stalest += [(k, turn_id, progress) for turn_id, progress in
+                        _scored(self.redis.zrange(k.running(), 0, IN_FLIGHT_SCAN - 1, withscores=True))]
         if not stalest:
             return InFlight(count)
         pipe = self.redis.pipeline(transaction=False)
-        for turn_id, _ in stalest:
-            pipe.hget(self.keys.turn(turn_id), "admitted_at")
+        for k, turn_id, _ in stalest:
+            pipe.hget(k.turn(turn_id), "admitted_at")
         admitted = [float(a) if a is not None else progress
-                    for a, (_, progress) in zip(pipe.execute(), stalest, strict=True)]
+                    for a, (_, _, progress) in zip(pipe.execute(), stalest, strict=True)]
         i = min(range(len(stalest)), key=admitted.__getitem__)
-        return InFlight(count, stalest[i][0], max(0.0, now - admitted[i]), max(0.0, now - stalest[i][1]))
+        return InFlight(count, stalest[i][1], max(0.0, now - admitted[i]), max(0.0, now - stalest[i][2]))
 
     # --- dead letters --------------------------------------------------------------------------
 
     def dead_letters(self, *, queue: str | None = None) -> list[DeadLetter]:
-        """Every dead letter whose body is kept (dramatiq's `<queue>.XQ`), oldest first. Refusals
-        recorded without a body (the stream's other entries) cannot be replayed and are not listed."""
-        pipe = self.redis.pipeline(transaction=False)
-        names = self._queues(queue)
-        for q in names:
-            pipe.zrange(self.keys.dead_queue(q), 0, -1, withscores=True)
-        reasons = self._reasons()
+        """Every dead letter whose body is kept (dramatiq's `<queue>.XQ`, in every shard), oldest
+        first. Refusals recorded without a body (the stream's other entries) cannot be replayed and
+        are not listed."""
         letters = []
-        for q, entries in zip(names, pipe.execute(), strict=True):
-            for mid, score in _scored(entries):
-                actor, reason = reasons.get((q, mid), ("", ""))
-                letters.append(DeadLetter(q, mid, score / 1000, actor, reason))
+        names = self._queues(queue)
+        for k in self.keys.every_shard():
+            pipe = self.redis.pipeline(transaction=False)
+            for q in names:
+                pipe.zrange(k.dead_queue(q), 0, -1, withscores=True)
+            reasons = self._reasons(k)
+            for q, entries in zip(names, pipe.execute(), strict=True):
+                for mid, score in _scored(entries):
+                    actor, reason = reasons.get((q, mid), ("", ""))
+                    letters.append(DeadLetter(q, mid, score / 1000, actor, reason))
         return sorted(letters, key=lambda d: d.dead_at)
 
     def dead_letter(self, message_id: str, *, queue: str | None = None,
@@ -214,8 +240,8 @@ class Operations:
         found = self._find(message_id, queue)
         if found is None:
             return None
-        q, score, body = found
-        actor, reason = self._reasons().get((q, message_id), ("", ""))
+        k, q, score, body = found
+        actor, reason = self._reasons(k).get((q, message_id), ("", ""))
         letter = DeadLetter(q, message_id, score / 1000, actor, reason)
         message = _decode(body)
         secrets = tuple(secrets)
@@ -224,16 +250,15 @@ class Operations:
         return DeadLetterBody(letter, cast(Mapping[str, Any], redact_value(message, secrets)))
 
     def replay(self, message_id: str, *, queue: str | None = None) -> ReplayOutcome:
-        """Enqueue a dead letter again on its queue, with its retries reset, and drop it from the
-        dead letters, atomically (`dead_letter_replay.lua`)."""
+        """Enqueue a dead letter again on its queue (of the shard it died in), with its retries
+        reset, and drop it from the dead letters, atomically (`dead_letter_replay.lua`)."""
         found = self._find(message_id, queue)
         if found is None:
             return "missing"
-        q, _, body = found
+        k, q, _, body = found
         return cast(ReplayOutcome, text(self._replay(
-            keys=[self.keys.dead_queue(q), self.keys.dead_queue_messages(q), self.keys.queue_messages(q),
-                  self.keys.queue(q)],
-            args=[lua.payload(message_id=message_id, channel=self.keys.doorbell_channel(), queue=q), body,
+            keys=[k.dead_queue(q), k.dead_queue_messages(q), k.queue_messages(q), k.queue(q)],
+            args=[lua.payload(message_id=message_id, channel=k.doorbell_channel(), queue=q), body,
                   _fresh(body, q)],
         )))
 
@@ -246,30 +271,31 @@ class Operations:
 
     def purge(self, *, queue: str | None = None, older_than_s: float | None = None,
               now: float | None = None) -> int:
-        """Delete dead letters (entries and bodies); only those older than `older_than_s` when given.
-        The dead-letter stream, a capped record of what happened, stays."""
+        """Delete dead letters (entries and bodies, in every shard); only those older than
+        `older_than_s` when given. The dead-letter stream, a capped record of what happened, stays."""
         now = time.time() if now is None else now
         cutoff = "+inf" if older_than_s is None else str(int((now - older_than_s) * 1000))
-        return sum(int(self._purge(keys=[self.keys.dead_queue(q), self.keys.dead_queue_messages(q)],
-                                   args=[cutoff]))
-                   for q in self._queues(queue))
+        return sum(int(self._purge(keys=[k.dead_queue(q), k.dead_queue_messages(q)], args=[cutoff]))
+                   for q in self._queues(queue) for k in self.keys.every_shard())
 
     def _queues(self, queue: str | None) -> tuple[str, ...]:
         return self.queues if queue is None else (queue,)
 
-    def _find(self, message_id: str, queue: str | None) -> tuple[str, float, bytes] | None:
+    def _find(self, message_id: str, queue: str | None) -> tuple[Keys, str, float, bytes] | None:
+        """Where a dead letter is: the keys of its shard, its queue, when (ms) and its body."""
         for q in self._queues(queue):
-            score = self.redis.zscore(self.keys.dead_queue(q), message_id)
-            body = self.redis.hget(self.keys.dead_queue_messages(q), message_id)
-            if body is not None:
-                return q, float(score or 0), cast(bytes, body)
+            for k in self.keys.every_shard():
+                score = self.redis.zscore(k.dead_queue(q), message_id)
+                body = self.redis.hget(k.dead_queue_messages(q), message_id)
+                if body is not None:
+                    return k, q, float(score or 0), cast(bytes, body)
         return None
 
-    def _reasons(self) -> dict[tuple[str, str], tuple[str, str]]:
-        """(queue, message id) -> (actor, reason) of its latest entry in the dead-letter stream."""
+    def _reasons(self, keys: Keys) -> dict[tuple[str, str], tuple[str, str]]:
+        """(queue, message id) -> (actor, reason) of its latest entry in a shard's dead-letter stream."""
         found: dict[tuple[str, str], tuple[str, str]] = {}
         entries = cast(list[tuple[bytes, dict[bytes | str, bytes | str]]],
-                       self.redis.xrevrange(self.keys.dead_letters(), count=DEAD_LETTERS_MAXLEN * 2))
+                       self.redis.xrevrange(keys.dead_letters(), count=DEAD_LETTERS_MAXLEN * 2))
         for _, raw in entries:
             fields = text_map(raw)
             found.setdefault((fields.get("queue", ""), fields.get("message_id", "")),
@@ -279,7 +305,18 @@ class Operations:
     # --- usage ---------------------------------------------------------------------------------
 
     def usage(self, tenant_id: str) -> TenantUsage:
-        return usage_of(tenant_id, {text(k): int(v) for k, v in self.redis.hgetall(self.keys.usage(tenant_id)).items()})
+        """The tenant's counters, summed over the shards (each turn counts in its own shard's hash)."""
+        counters: dict[str, int] = {}
+        for k in self.keys.every_shard():
+            for name, value in self.redis.hgetall(k.usage(tenant_id)).items():
+                counters[text(name)] = counters.get(text(name), 0) + int(value)
+        return usage_of(tenant_id, counters)
+
+
+def stored_layout(client: redis.Redis, prefix: str) -> Keys:
+    """The keys of the layout stored under `prefix` (`Keys.layout`; none stored: one server's)."""
+    raw = client.get(Keys(prefix).layout())
+    return Keys(prefix, int(json.loads(cast(bytes, raw))["shards"]) if raw is not None else 0)
 
 
 def usage_of(tenant_id: str, counters: Mapping[str, int], *, conversation_id: str | None = None) -> TenantUsage:
