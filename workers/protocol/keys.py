@@ -113,6 +113,11 @@ class Keys:
         """What a worker process's keys start with: they share one slot in the sharded layout."""
         return f"{self.prefix}:{{fleet}}" if self.shards else self.prefix
 
+    def _agent(self, agent_id: str) -> str:
+        """What an agent's registry keys start with: tagged with its id in the sharded layout (one
+        slot per agent; the set of agents is elsewhere)."""
+        return f"{self.prefix}:agent:{{{agent_id}}}" if self.shards else f"{self.prefix}:agent:{agent_id}"
+
     def _conv(self, conversation_id: str) -> str:
         if not self.shards:
             return f"{self.prefix}:conv:{{{conversation_id}}}"
@@ -131,15 +136,15 @@ class Keys:
     # --- agent configs ------------------------------------------------------------------------
     def agent(self, agent_id: str) -> str:
         """Hash: `active` (published version number), `latest`."""
-        return f"{self.prefix}:agent:{agent_id}"
+        return f"{self._agent(agent_id)}"
 
     def agent_version(self, agent_id: str, version: int | str) -> str:
         """String: one immutable published config (JSON)."""
-        return f"{self.prefix}:agent:{agent_id}:v:{version}"
+        return f"{self._agent(agent_id)}:v:{version}"
 
     def agent_draft(self, agent_id: str, draft_id: str) -> str:
         """String: a draft config (JSON), updated in place."""
-        return f"{self.prefix}:agent:{agent_id}:draft:{draft_id}"
+        return f"{self._agent(agent_id)}:draft:{draft_id}"
 
     def agents(self) -> str:
         """Set of registered agent ids."""
@@ -147,15 +152,15 @@ class Keys:
 
     def agent_versions(self, agent_id: str) -> str:
         """Hash: version number -> who made it, when, how, and its config's digest (JSON)."""
-        return f"{self.prefix}:agent:{agent_id}:versions"
+        return f"{self._agent(agent_id)}:versions"
 
     def agent_activations(self, agent_id: str) -> str:
         """List: every change of the active version (version, action, who, when; JSON), newest first."""
-        return f"{self.prefix}:agent:{agent_id}:activations"
+        return f"{self._agent(agent_id)}:activations"
 
     def agent_drafts(self, agent_id: str) -> str:
         """Set: the agent's draft ids."""
-        return f"{self.prefix}:agent:{agent_id}:drafts"
+        return f"{self._agent(agent_id)}:drafts"
 
     # --- conversations ------------------------------------------------------------------------
     def conversation(self, conversation_id: str) -> str:

@@ -147,10 +147,13 @@ class AgentRegistry:
     def put_draft(self, config: AgentConfig, draft_id: str) -> PutResult:
         """A draft, written in place (conversations started on it run its newest content)."""
         k = self.keys
+        if k.shards:  # the set of agents is in another slot than the agent's keys: listed first
+            self.redis.sadd(k.agents(), config.id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(k.agent_draft(config.id, draft_id), config_to_json(config))
         pipe.sadd(k.agent_drafts(config.id), draft_id)
-        pipe.sadd(k.agents(), config.id)
+        if not k.shards:
+            pipe.sadd(k.agents(), config.id)
         pipe.execute()
         return PutResult(config.id, f"draft:{draft_id}", created=True)
 
@@ -185,10 +188,13 @@ class AgentRegistry:
             meta = VersionMeta(version=number, created_at=now, author=author, digest=sha, source=source,
                                from_draft=draft_id)
             activation = Activation(version=number, action=source, at=now, author=author)
+            if k.shards:  # the set of agents is in another slot than the agent's keys: listed first
+                self.redis.sadd(k.agents(), agent_id)
             status, version = (text(v) for v in self._version(
-                keys=[k.agent(agent_id), k.agent_versions(agent_id), k.agent_activations(agent_id), k.agents(),
-                      k.agent_version(agent_id, number)],
-                args=[lua.payload(agent_id=agent_id, version=str(number), digest=sha), meta.model_dump_json(),
+                keys=[k.agent(agent_id), k.agent_versions(agent_id), k.agent_activations(agent_id),
+                      k.agent(agent_id) if k.shards else k.agents(), k.agent_version(agent_id, number)],
+                args=[lua.payload(agent_id=agent_id, version=str(number), digest=sha, index=not k.shards),
+                      meta.model_dump_json(),
                       activation.model_dump_json(), data]))
             if status != "conflict":
                 return PutResult(agent_id, f"v{version}", created=status == "created", version=int(version))

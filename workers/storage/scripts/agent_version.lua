@@ -4,8 +4,9 @@
 -- concurrent puts of one document make one version and no number is ever written twice; the
 -- caller reads again and retries.
 -- KEYS[1] the agent (hash: active, latest)   KEYS[2] its versions' metadata (hash: number -> JSON)
--- KEYS[3] its activations (list, newest first)   KEYS[4] the set of agents   KEYS[5] the new version
--- ARGV[1] JSON {agent_id, version (string), digest}   ARGV[2] the new version's metadata (JSON)
+-- KEYS[3] its activations (list, newest first)   KEYS[4] the set of agents (the sharded layout: the
+--   agent again, with `index` false: the caller added it, the set is in another slot)   KEYS[5] the new version
+-- ARGV[1] JSON {agent_id, version (string), digest, index}   ARGV[2] the new version's metadata (JSON)
 -- ARGV[3] its activation (JSON)   ARGV[4] the config (canonical JSON)
 -- Returns {'unchanged', active} | {'conflict', latest} | {'created', version}
 local a = cjson.decode(ARGV[1])
@@ -23,5 +24,5 @@ redis.call('HSET', KEYS[2], a.version, ARGV[2])
 redis.call('HSET', KEYS[1], 'active', a.version, 'latest', a.version)
 redis.call('LPUSH', KEYS[3], ARGV[3])
 redis.call('LTRIM', KEYS[3], 0, 999)
-redis.call('SADD', KEYS[4], a.agent_id)
+if a.index then redis.call('SADD', KEYS[4], a.agent_id) end
 return {'created', a.version}
