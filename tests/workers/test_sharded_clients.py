@@ -317,3 +317,10 @@ def test_the_gateway_submits_and_reads_turns_in_their_shard(redis_url: str, fres
         assert http.post(f"{accepted['turn_url']}/cancel", headers={"Authorization": f"Bearer {user_key}"}
                          ).json()["result"] == "noop: succeeded"
         assert get("/v1/turns/nope/events", user_key).status_code == 404
+
+
+def test_a_layout_record_of_another_schema_is_refused(redis_url: str, fresh: str) -> None:
+    with Client(redis_url, prefix=fresh) as client:
+        client.redis.set(Keys(fresh).layout(), json.dumps({"schema": "threadline.layout/v9", "shards": 4}))
+        with pytest.raises(ValueError, match=r"threadline\.layout/v1"):
+            client.keys  # noqa: B018

@@ -23,7 +23,7 @@ import redis
 import redis.asyncio as aioredis
 
 from threadline.pipeline.ids import new_conversation_id
-from threadline.workers.protocol.keys import MAX_SHARDS, TURN_SHARD_SLACK_S, Keys, layout_record
+from threadline.workers.protocol.keys import LAYOUT_SCHEMA, MAX_SHARDS, TURN_SHARD_SLACK_S, Keys, layout_record
 from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings
 
@@ -46,11 +46,13 @@ def stored_shards(raw: bytes | str | None) -> int:
     if raw is None:
         return 0
     try:
-        shards = json.loads(raw).get("shards")
+        record = json.loads(raw)
+        shards, schema = record.get("shards"), record.get("schema", LAYOUT_SCHEMA)
     except (ValueError, AttributeError):
-        shards = None
-    if not isinstance(shards, int) or isinstance(shards, bool) or not 0 <= shards <= MAX_SHARDS:
-        raise ValueError(f"the key layout record is no layout: {text(raw)[:200]!r}")
+        shards, schema = None, None
+    if schema != LAYOUT_SCHEMA or not isinstance(shards, int) or isinstance(shards, bool) \
+            or not 0 <= shards <= MAX_SHARDS:
+        raise ValueError(f"the key layout record is no {LAYOUT_SCHEMA} layout: {text(raw)[:200]!r}")
     return shards
 
 
