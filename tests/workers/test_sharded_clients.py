@@ -12,12 +12,14 @@ import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
 from tests.conftest import drop_prefix, turn
+from tests.support.cli import cli_env, cli_runner
 from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -324,3 +326,31 @@ def test_a_layout_record_of_another_schema_is_refused(redis_url: str, fresh: str
         client.redis.set(Keys(fresh).layout(), json.dumps({"schema": "threadline.layout/v9", "shards": 4}))
         with pytest.raises(ValueError, match=r"threadline\.layout/v1"):
             client.keys  # noqa: B018
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+
+def test_the_cli_reads_and_writes_in_the_stored_layout(redis_url: str, fresh: str, sharded: Client,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """TL_SHARDS unset: the commands use the layout the data is in (4 shards)."""
+    cli_env(monkeypatch, redis_url=redis_url, prefix=fresh, data_dir=tmp_path)
+    run = cli_runner(capsys)
+    sharded.put_agent(AgentConfig.model_validate({"id": "bot", "model": "offline:echo"}))
+    layout = sharded.keys
+    cid = f"c-{uuid.uuid4().hex[:12]}"
+    submitted = run("submit", "--agent", "bot", "--query", "hi", "--tenant", "t1", "--app", "app", "--user", "u1",
+                    "--conversation", cid)
+    assert submitted.code == 0, submitted.err
+    turn_id = submitted.out.split()[0]
+    assert sharded.redis.get(layout.turn_shard(turn_id)) == str(layout.shard_of(cid)).encode()
+    for n, other in enumerate(conversations_in_distinct_shards(layout, 2), start=1):
+        sharded.redis.hincrby(layout.of_conversation(other).usage("t1"), "turns", n)
+    usage = run("usage", "t1", "--json")
+    assert usage.code == 0 and json.loads(usage.out)["turns"] == 3, usage.err
+    status = run("status", "--json")
+    assert status.code == 0, status.err
+    assert next(q for q in json.loads(status.out)["queues"] if q["name"] == ADMIT_QUEUE)["depth"] == 1
+    assert run("cancel", turn_id).code == 0
+    assert sharded.redis.llen(layout.of_conversation(cid).queue(CONTROL_QUEUE)) == 1
