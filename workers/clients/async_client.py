@@ -214,11 +214,9 @@ class AsyncClient:
         layout = await self.layout()
         bound = layout.on(request_shard(layout, conversation_id, turn_id) if shard is None else shard)
         if turn_id and conversation_id and bound.shard is not None and valid_turn_id(turn_id):
-            pointer = bound.turn_shard(turn_id)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(pointer, bound.shard, nx=True, ex=pointer_ttl_s(self.turn_ttl_s))
-                pipe.get(pointer)
-                other = taken_elsewhere((await pipe.execute())[1], bound.shard)
+            prior = await self.redis.set(bound.turn_shard(turn_id), bound.shard, nx=True, get=True,
+                                         ex=pointer_ttl_s(self.turn_ttl_s))
+            other = taken_elsewhere(prior, bound.shard)
             if other is not None:  # the id names a turn of another conversation: not enqueued again
                 return False, text(await self.redis.hget(layout.on(other).turn(turn_id), "tenant_id") or b"")
             self._turn_shards.remember(turn_id, bound.shard)

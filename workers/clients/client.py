@@ -293,11 +293,10 @@ class Client:
         gets its shard pointer first (sharded layout)."""
         bound = self.keys.on(request_shard(self.keys, conversation_id, turn_id) if shard is None else shard)
         if turn_id and conversation_id and bound.shard is not None and valid_turn_id(turn_id):
-            pointer = bound.turn_shard(turn_id)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.set(pointer, bound.shard, nx=True, ex=pointer_ttl_s(self.turn_ttl_s))
-            pipe.get(pointer)
-            other = taken_elsewhere(pipe.execute()[1], bound.shard)
+            # one command (SET NX GET): what the pointer said before, None when this wrote it
+            prior = self.redis.set(bound.turn_shard(turn_id), bound.shard, nx=True, get=True,
+                                   ex=pointer_ttl_s(self.turn_ttl_s))
+            other = taken_elsewhere(prior, bound.shard)
             if other is not None:  # the id names a turn of another conversation: not enqueued again
                 return message_id, [b"exists", self.redis.hget(self.keys.on(other).turn(turn_id), "tenant_id") or b""]
             self._turn_shards.remember(turn_id, bound.shard)

@@ -135,11 +135,17 @@ class TurnShards:
         return self._known.get(turn_id)
 
 
-def taken_elsewhere(stored: Any, shard: int) -> int | None:
-    """The other shard a turn id's pointer already names (None: it names `shard`, or nothing): the id
-    is a turn of another conversation, not enqueued again."""
-    other = None if stored is None else int(text(stored))
-    return other if other is not None and other != shard else None
+def taken_elsewhere(prior: bytes | str | bool | None, shard: int) -> int | None:
+    """The other shard a turn id's pointer named before a submit's SET NX GET (None: none, or
+    `shard`): the id is a turn of another conversation, not enqueued again. (redis-py types the
+    reply of SET with a bool; with GET it is the prior value.)"""
+    if prior is None or isinstance(prior, bool):
+        return None
+    try:
+        other = int(text(prior))
+    except ValueError:
+        return None
+    return None if other == shard else other
 
 
 #: How often a follower of a turn not known yet (no shard pointer) looks for its pointer again.
