@@ -120,6 +120,11 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
 )
 
 
+def shards_from_env(env: Mapping[str, str] | None = None) -> int:
+    """`TL_SHARDS` alone (producers read nothing else of the environment)."""
+    return _int(os.environ if env is None else env, "TL_SHARDS", 0, maximum=MAX_SHARDS)
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     #: None: start (or join) the embedded Valkey server under `data_dir`.
@@ -238,7 +243,7 @@ class Settings:
             redis_url=env.get("REDIS_URL") or None,
             data_dir=Path(env.get("TL_DATA_DIR") or ".threadline").resolve(),
             prefix=env.get("TL_PREFIX") or "tl",
-            shards=_int(env, "TL_SHARDS", 0, maximum=MAX_SHARDS),
+            shards=shards_from_env(env),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=log_level,
             processes=_int(env, "TL_PROCESSES", 2, minimum=1),

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +34,11 @@ def test_turns_of_many_conversations_keep_their_keys_in_their_shard(isolated: Ca
     pool = isolated({"TL_SHARDS": str(SHARDS)}).start(processes=2, threads=4)
     client = Client(pool.url, prefix=pool.prefix)
     client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
-    firsts = [client.submit(turn("echo", f"hello {i}")) for i in range(12)]
+    layout = Keys(pool.prefix, SHARDS)
+    ids = [f"t-{uuid.uuid4().hex[:12]}" for _ in range(200)]
+    # three first turns per shard (their conversations are `c-<turn id>`)
+    chosen = [t for shard in range(SHARDS) for t in [t for t in ids if layout.shard_of(f"c-{t}") == shard][:3]]
+    firsts = [client.submit(turn("echo", f"hello {t}", turn_id=t)) for t in chosen]
     for turn_id in firsts:
         assert isinstance(client.wait(turn_id, timeout_s=60), ev.Succeeded)
     conversations = [client.turn_state(t).conversation_id for t in firsts]
@@ -43,9 +48,7 @@ def test_turns_of_many_conversations_keep_their_keys_in_their_shard(isolated: Ca
     assert [len(client.thread(c)) for c in conversations] == [2] * len(conversations)  # a row per turn
 
     r = redis.Redis.from_url(pool.url)
-    layout = Keys(pool.prefix, SHARDS)
-    used = Counter(layout.shard_of(c) for c in conversations)
-    assert len(used) == SHARDS, used  # 12 conversations `c-<turn id>` over 4 shards: every shard used
+    assert Counter(layout.shard_of(c) for c in conversations) == dict.fromkeys(range(SHARDS), 3)
     for turn_id, cid in [*zip(firsts, conversations, strict=True), *zip(seconds, conversations, strict=True)]:
         k = layout.of_conversation(cid)
         assert r.hget(k.turn(turn_id), "status") == b"succeeded"

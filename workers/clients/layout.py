@@ -15,7 +15,6 @@ submit.lua (and the workers' admit stage for raw producers). No pointer: the tur
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -23,9 +22,9 @@ import redis
 import redis.asyncio as aioredis
 
 from threadline.pipeline.ids import new_conversation_id
-from threadline.workers.protocol.keys import LAYOUT_SCHEMA, MAX_SHARDS, TURN_SHARD_SLACK_S, Keys, layout_record
+from threadline.workers.protocol.keys import TURN_SHARD_SLACK_S, Keys, layout_record, layout_shards
 from threadline.workers.protocol.schema import text
-from threadline.workers.settings import Settings
+from threadline.workers.settings import shards_from_env
 
 #: Shards of turns a client submitted, remembered per client; the memo is emptied when it is full
 #: (each entry is one GET away).
@@ -33,27 +32,8 @@ REMEMBERED_TURNS: Final = 10_000
 
 
 def own_shards(shards: int | None) -> int:
-    """A producer's own shard count: `shards`, else `TL_SHARDS` of this process's environment
-    (read as `Settings` reads it, and nothing else of the environment)."""
-    if shards is not None:
-        return shards
-    return Settings.from_env({"TL_SHARDS": os.environ.get("TL_SHARDS", "")}).shards
-
-
-def stored_shards(raw: bytes | str | None) -> int:
-    """The shard count of a stored `layout_record` (missing: 0, one server's layout); a record that
-    is no layout is a `ValueError`, never a guess that would read and write other keys."""
-    if raw is None:
-        return 0
-    try:
-        record = json.loads(raw)
-        shards, schema = record.get("shards"), record.get("schema", LAYOUT_SCHEMA)
-    except (ValueError, AttributeError):
-        shards, schema = None, None
-    if schema != LAYOUT_SCHEMA or not isinstance(shards, int) or isinstance(shards, bool) \
-            or not 0 <= shards <= MAX_SHARDS:
-        raise ValueError(f"the key layout record is no {LAYOUT_SCHEMA} layout: {text(raw)[:200]!r}")
-    return shards
+    """A producer's own shard count: `shards`, else `TL_SHARDS` of this process's environment."""
+    return shards_from_env() if shards is None else shards
 
 
 def layout_claim(own: int) -> str | None:
@@ -70,7 +50,7 @@ def layout_keys(client: redis.Redis, prefix: str, own: int) -> Keys:
         if client.set(key, claim, nx=True):
             return Keys(prefix, own)
         raw = client.get(key)
-    return Keys(prefix, stored_shards(raw))
+    return Keys(prefix, layout_shards(raw))
 
 
 async def async_layout_keys(client: aioredis.Redis, prefix: str, own: int) -> Keys:
@@ -81,7 +61,7 @@ async def async_layout_keys(client: aioredis.Redis, prefix: str, own: int) -> Ke
         if await client.set(key, claim, nx=True):
             return Keys(prefix, own)
         raw = await client.get(key)
-    return Keys(prefix, stored_shards(raw))
+    return Keys(prefix, layout_shards(raw))
 
 
 def request_shard(keys: Keys, conversation_id: str | None, turn_id: str | None) -> int | None:

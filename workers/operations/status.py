@@ -17,7 +17,7 @@ import redis
 
 from threadline.pipeline.redact import redact, redact_value
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
-from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.keys import Keys, layout_shards
 from threadline.workers.protocol.names import queues as graph_queues
 from threadline.workers.protocol.schema import text, text_map
 from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, MAX_JSON_DEPTH, json_too_deep
@@ -316,7 +316,7 @@ class Operations:
 def stored_layout(client: redis.Redis, prefix: str) -> Keys:
     """The keys of the layout stored under `prefix` (`Keys.layout`; none stored: one server's)."""
     raw = client.get(Keys(prefix).layout())
-    return Keys(prefix, int(json.loads(cast(bytes, raw))["shards"]) if raw is not None else 0)
+    return Keys(prefix, layout_shards(cast(bytes | None, raw)))
 
 
 def usage_of(tenant_id: str, counters: Mapping[str, int], *, conversation_id: str | None = None) -> TenantUsage:

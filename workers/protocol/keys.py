@@ -13,6 +13,7 @@ braces (`pipeline.ids.ID_PATTERN`), so no id can name another one's key.
 from __future__ import annotations
 
 import dataclasses
+import json
 from binascii import crc_hqx
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -60,6 +61,23 @@ def layout_record(shards: int) -> dict[str, object]:
     """What `Keys.layout` holds (JSON, `threadline.layout/v1`): the shard count and each shard's
     tag, for producers that do not compute tags themselves; `"shards": 0` is one server's layout."""
     return {"schema": LAYOUT_SCHEMA, "shards": shards, "tags": [shard_tag(i, shards) for i in range(shards)]}
+
+
+def layout_shards(raw: bytes | str | None) -> int:
+    """The shard count of a stored `layout_record` (missing: 0, one server's layout); a record that
+    is no layout is a `ValueError`, never a guess that would read and write other keys."""
+    if raw is None:
+        return 0
+    try:
+        record = json.loads(raw)
+        shards, schema = record.get("shards"), record.get("schema", LAYOUT_SCHEMA)
+    except (ValueError, AttributeError):
+        shards, schema = None, None
+    if schema != LAYOUT_SCHEMA or not isinstance(shards, int) or isinstance(shards, bool) \
+            or not 0 <= shards <= MAX_SHARDS:
+        shown = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        raise ValueError(f"the key layout record is no {LAYOUT_SCHEMA} layout: {shown[:200]!r}")
+    return shards
 
 
 class UnboundShard(RuntimeError):

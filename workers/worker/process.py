@@ -27,7 +27,7 @@ import structlog
 from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
 
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
-from threadline.workers.protocol.keys import Keys, layout_record
+from threadline.workers.protocol.keys import Keys, layout_record, layout_shards
 from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.protocol.names import queues as all_queues
 from threadline.workers.settings import Settings
@@ -88,7 +88,7 @@ def claim_layout(client: redis.Redis, settings: Settings) -> None:
     ValueError when the stored one is another: the data under the prefix is laid out for it."""
     key = Keys(settings.prefix).layout()
     stored = client.set(key, json.dumps(layout_record(settings.shards)), nx=True, get=True)
-    shards = json.loads(cast(bytes, stored))["shards"] if stored is not None else settings.shards
+    shards = layout_shards(cast(bytes, stored)) if stored is not None else settings.shards
     if shards != settings.shards:
         raise ValueError(f"TL_SHARDS is {settings.shards}, but the data under prefix {settings.prefix!r} is laid out "
                          f"in {shards} shards ({key}): start the workers with TL_SHARDS={shards}")
