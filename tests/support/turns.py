@@ -45,7 +45,9 @@ def assert_one_terminal(client: Client, turn_id: str) -> ev.Terminal:
 
 def holder_pid(client: Client, turn_id: str) -> int:
     """The pid of the worker process running the turn's stage now (its worker id is host:pid:tag)."""
-    holder = client.redis.hget(client.keys.turn(turn_id), "holder")
+    keys = client.turn_keys(turn_id)
+    assert keys is not None, f"no turn {turn_id}"
+    holder = client.redis.hget(keys.turn(turn_id), "holder")
     assert holder is not None, "nobody holds the turn"
     return int(holder.decode().split(":")[-2])
 

@@ -1049,7 +1049,7 @@ def test_catalogue_leaves_nothing_behind(hostile: Hostile) -> None:
     assert not h.redis.exists(k.running())
     known_turns = {*VICTIM_TURNS, OTHER_TURN, *h.probes, last}
     expected_keys = {
-        k.agents(), k.agent(VICTIM_AGENT), k.agent_version(VICTIM_AGENT, 1), k.agent(SLOW_AGENT),
+        k.layout(), k.agents(), k.agent(VICTIM_AGENT), k.agent_version(VICTIM_AGENT, 1), k.agent(SLOW_AGENT),
         k.agent_version(SLOW_AGENT, 1), k.usage("t1"), k.tenant_conversations("t1"), k.dead_letters(),
         *(key for a in (VICTIM_AGENT, SLOW_AGENT) for key in (k.agent_versions(a), k.agent_activations(a))),
         *(key for t in known_turns for key in (k.turn(t), k.events(t))),

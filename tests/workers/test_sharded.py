@@ -19,7 +19,7 @@ import redis
 from redis.crc import key_slot
 
 from tests.conftest import ROOT, WorkerPool, turn
-from tests.support.turns import assert_gapless, python_model, wait_for_event
+from tests.support.turns import assert_gapless, holder_pid, python_model, wait_for_event
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
@@ -74,18 +74,13 @@ def test_a_worker_killed_mid_turn_is_taken_over_and_the_turn_ends_once(
         {"id": "survivor", "model": python_model("streaming", words=60, delay_ms=20)}))
     turn_id = client.submit(turn("survivor", "keep going"))
     wait_for_event(client, turn_id, "text_delta")
-    r = redis.Redis.from_url(pool.url)
-    k = Keys(pool.prefix, SHARDS).on(int(r.get(Keys(pool.prefix).turn_shard(turn_id)) or b"-1"))
-    holder = r.hget(k.turn(turn_id), "holder")
-    assert holder is not None
-    victim = next(p for p in pool.procs if p.pid == int(holder.decode().split(":")[-2]))  # host:pid:tag
+    victim = next(p for p in pool.procs if p.pid == holder_pid(client, turn_id))
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     terminal = client.wait(turn_id, timeout_s=90)
     assert isinstance(terminal, ev.Succeeded), terminal
     seen = assert_gapless(client, turn_id)
     assert len([e for e in seen if isinstance(e, ev.Terminal)]) == 1
-    r.close()
     client.close()
 
 

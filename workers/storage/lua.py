@@ -6,10 +6,10 @@ message bodies) that would only be escaped twice inside it. None of them names a
 graph passes stage names in as data. All refuse to act on a turn that already has its terminal
 state, which is what makes a redelivered message change nothing.
 
-Cluster note: a script's turn keys and conversation keys sit in different hash slots today, and
-`advance`, `retry` and `finish` push to queue keys in yet another one. On Redis Cluster each would
-split into its conversation part (one hash tag) and a turn/queue part guarded by the turn's state
-transition; docs/architecture.md says what remains.
+Cluster note: in one server's layout a script's turn keys and conversation keys sit in different
+hash slots, and `advance`, `retry` and `finish` push to queue keys in yet another one; in the
+sharded layout (`TL_SHARDS`, `protocol/keys.py`) every call's keys are in one slot
+(`tests/workers/test_slots.py`).
 """
 
 from __future__ import annotations
