@@ -18,6 +18,7 @@ from threadline.workers.cli.common import (
     producer,
 )
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import sync_client
 
 
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
@@ -36,9 +37,8 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
         raise Exit(EXIT_BAD_INPUT, f"--console {console}: not a directory")
     configure_logging(settings)
     url = join(settings)
-    import redis
 
-    redis.Redis.from_url(url).ping()  # unreachable: one line and exit 4, before the port is taken
+    sync_client(url).ping()  # unreachable: one line and exit 4, before the port is taken
     print(f"threadline: gateway on http://{args.host}:{args.port} for {display_url(url)}", file=sys.stderr)
     uvicorn.run(create_app(settings, url, console_dir=console), host=args.host, port=args.port, log_level="warning")
     return 0

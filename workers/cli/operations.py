@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import sync_client
 
 if TYPE_CHECKING:  # imported when a command runs: the CLI's start-up stays fast (bench/cli.py)
     from threadline.workers.operations.status import DeadLetter, DeadLetterBody, Operations, Status, TenantUsage
@@ -30,12 +31,11 @@ Command = Callable[[argparse.Namespace, "Operations", Settings], int]
 @contextmanager
 def operations(settings: Settings) -> Iterator[Operations]:
     # the CLI's rule for commands that talk to a server: REDIS_URL, else the running embedded one
-    import redis
 
     from threadline.workers.cli.common import join
     from threadline.workers.operations.status import Operations
 
-    client = redis.Redis.from_url(join(settings))
+    client = sync_client(join(settings))
     try:
         yield Operations(client, Keys(settings.prefix), stored_layout=True)
     finally:

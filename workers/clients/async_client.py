@@ -11,8 +11,6 @@ from collections.abc import AsyncIterator, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
-import redis.asyncio as aioredis
-
 from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.ids import new_conversation_id, valid_turn_id
@@ -64,6 +62,7 @@ from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
 from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
+from threadline.workers.storage.connect import async_plain_client, require_shards
 
 if TYPE_CHECKING:
     from threadline.pipeline.contracts import TurnRequest
@@ -118,7 +117,7 @@ class AsyncClient:
         if url is None:
             url, prefix = found_server(prefix)
         self.url = url
-        self.redis = aioredis.Redis.from_url(url)
+        self.redis = async_plain_client(url)
         self.prefix = "tl" if prefix is None else prefix
         self.shards = own_shards(shards)
         self.turn_ttl_s = setting_default("turn_ttl_s")
@@ -144,7 +143,9 @@ class AsyncClient:
         """The stored layout's keys, read by the first call that needs them (one GET per client;
         `layout.py`). Concurrent first calls may each read it: they find the same record."""
         if self._keys is None:
-            self._keys = await async_layout_keys(self.redis, self.prefix, self.shards)
+            keys = await async_layout_keys(self.redis, self.prefix, self.shards)
+            require_shards(self.url, keys.shards)
+            self._keys = keys
         return self._keys
 
     @property

@@ -15,8 +15,6 @@ from collections.abc import Iterator, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
-import redis
-
 from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.ids import new_conversation_id, valid_id, valid_turn_id
@@ -71,6 +69,7 @@ from threadline.workers.protocol.names import CANCEL_ACTOR, CONTROL_QUEUE
 from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings, model_policy
 from threadline.workers.storage import lua
+from threadline.workers.storage.connect import require_shards, sync_client
 
 # What imports pydantic-ai or builds many pydantic models (agent configs, records, history, the agent
 # registry, the store) is imported inside the methods that need it: submitting or cancelling a turn,
@@ -144,7 +143,7 @@ class Client:
         self.max_context_chars = max_context_chars or setting_default("max_context_chars")
         self.max_inputs_chars = setting_default("max_inputs_chars")
         self.max_files = setting_default("max_files")
-        self.redis = redis.Redis.from_url(url)
+        self.redis = sync_client(url)
         self.prefix = "tl" if prefix is None else prefix
         #: This client's own shard count (`layout.py`: what it writes when no layout is stored).
         self.shards = own_shards(shards)
@@ -158,7 +157,9 @@ class Client:
     @cached_property
     def keys(self) -> Keys:
         """The stored layout's keys, read on first need (one GET per client; `layout.py`)."""
-        return layout_keys(self.redis, self.prefix, self.shards)
+        keys = layout_keys(self.redis, self.prefix, self.shards)
+        require_shards(self.url, keys.shards)
+        return keys
 
     def turn_keys(self, turn_id: str) -> Keys | None:
         """The keys bound to the turn's shard: remembered for the turns this client submitted, else

@@ -59,6 +59,7 @@ from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
 from threadline.workers.storage.agents import PutResult, parse_version
 from threadline.workers.storage.api_keys import ApiKey, KeyRing
+from threadline.workers.storage.connect import is_cluster
 from threadline.workers.storage.rate_limits import RateLimits
 
 #: Seconds between keep-alive comments on an idle event stream (proxies close silent connections).
@@ -109,6 +110,9 @@ class Gateway:
     process's one event-stream reader (`pools.py` says which Redis connections each uses)."""
 
     def __init__(self, settings: Settings, url: str) -> None:
+        if is_cluster(url):
+            # its one event-stream reader XREADs every open stream at once: keys of many slots
+            raise ValueError("the gateway does not run on a Redis Cluster yet: point it at one server's URL")
         self.client = Client.from_settings(settings, url)
         self.aclient = AsyncClient.from_settings(settings, url)
         pools.use_pool(self.aclient.redis, pools.request_pool(settings, url))

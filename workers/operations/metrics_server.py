@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from threadline.workers.operations.status import Operations
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.telemetry.metrics import MULTIPROC_ENV, PATHS
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class MetricsServer:
         self.port: int = self._server.server_port
         self.directory = Path(tempfile.mkdtemp(prefix="threadline-metrics-"))
         self.children = children
-        self._redis = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
+        self._redis = sync_client(url, socket_connect_timeout=1, socket_timeout=2)
         self.registry = CollectorRegistry()
         MultiProcessCollector(self.registry, path=str(self.directory))  # type: ignore[no-untyped-call]
         self.registry.register(QueueCollector(Operations(self._redis, Keys(prefix), stored_layout=True)))

@@ -11,6 +11,7 @@ import structlog
 from pydantic_ai import CancellationToken
 
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.worker.listener import Listener
 
 log = structlog.get_logger(__name__)
@@ -71,7 +72,7 @@ class CancelWatcher:
     def __init__(self, registry: CancelRegistry, listener: Listener, url: str, keys: Keys, poll_s: float = 1.0):
         self.registry = registry
         self._keys = keys
-        self._client = redis.Redis.from_url(url, socket_timeout=5)
+        self._client = sync_client(url, socket_timeout=5)
         self._poll_s = poll_s
         self._stop = threading.Event()
         listener.on(keys.cancel_channel(), self._on_cancel)

@@ -31,6 +31,7 @@ from threadline.workers.protocol.keys import Keys, layout_record, layout_shards
 from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.protocol.names import queues as all_queues
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import require_shards
 from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
 from threadline.workers.worker.actors import declare_actors
@@ -74,7 +75,7 @@ def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GR
     """A running worker in this process (`serve` runs one until a signal; tests run one in-process)."""
     threads = threads or settings.threads
     broker = create_broker(settings, url, graph=graph)
-    claim_layout(broker.client, settings)
+    claim_layout(broker.client, settings, url)
     unknown = sorted(set(queues) - set(all_queues(graph)))
     if unknown:
         raise ValueError(f"unknown queues {unknown}; the queues are {list(all_queues(graph))}")
@@ -83,9 +84,11 @@ def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GR
     return broker, worker
 
 
-def claim_layout(client: redis.Redis, settings: Settings) -> None:
+def claim_layout(client: redis.Redis, settings: Settings, url: str) -> None:
     """Write the key layout (`TL_SHARDS`) if none is stored yet, in one command (SET NX GET); a
-    ValueError when the stored one is another: the data under the prefix is laid out for it."""
+    ValueError when the stored one is another (the data under the prefix is laid out for it), or
+    when a cluster would get one server's layout."""
+    require_shards(url, settings.shards)
     key = Keys(settings.prefix).layout()
     stored = client.set(key, json.dumps(layout_record(settings.shards)), nx=True, get=True)
     shards = layout_shards(cast(bytes, stored)) if stored is not None else settings.shards

@@ -30,6 +30,7 @@ from dramatiq.middleware import Middleware
 
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.worker.middleware.give_up import turn_id_of
 from threadline.workers.worker.runtime import Runtime, RuntimeRef
 
@@ -54,7 +55,7 @@ class Heartbeat:
         self.broker_id = broker_id
         self.info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "broker_id": broker_id,
                                 "queues": queues, "since": time.time()})
-        self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self._client = sync_client(url, socket_timeout=5, socket_connect_timeout=5)
         self._script = self._client.register_script(lua.source("heartbeat"))
         self._reachability = reachability
         self._stop = threading.Event()
