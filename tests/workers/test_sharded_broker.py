@@ -284,3 +284,52 @@ def test_a_ring_names_its_shards_channel(broker: DoorbellBroker, redis_url: str)
     assert message["channel"] == broker.keys.on(1).doorbell_channel().encode()
     pubsub.close()
     client.close()
+
+
+def acked_everywhere(broker: DoorbellBroker) -> int:
+    return sum(int(broker.client.scard(broker.keys.on(s).acks(broker.broker_id, QUEUE))) for s in range(SHARDS))
+
+
+def test_prefetch_is_the_consumers_over_all_shards(broker: DoorbellBroker) -> None:
+    sent = {send(broker, "record", f"s{shard}-{n}", shard).message_id: shard
+            for shard in range(SHARDS) for n in range(2)}
+    consumer = broker.consume(QUEUE, prefetch=3)
+    taken: dict[str, int] = {}
+    while len(taken) < len(sent):
+        message = poll(lambda: next(consumer), timeout_s=10)
+        assert message is not None
+        # fetched and not acked yet: never more than the prefetch, whichever shards they came from
+        assert consumer.outstanding_message_count <= 3 and acked_everywhere(broker) <= 3
+        taken[message.message_id] = message.options[SHARD_OPTION]
+        consumer.ack(message)
+    assert taken == sent
+    consumer.close()
+    assert acked_everywhere(broker) == 0 and broker.do_qsize(QUEUE) == 0
+
+
+def test_a_ring_passed_over_while_full_is_answered_after_the_ack_which_rides_on_that_fetch(
+        redis_url: str) -> None:
+    """A full consumer keeps the shards that rang meanwhile; the ack that frees it wakes it, and one
+    round trip sends the ack to its shard and fetches the rung one (no poll: it is 30 s away)."""
+    settings = dataclasses.replace(sharded_settings(redis_url), idle_poll_ms=30_000)
+    made = DoorbellBroker(settings=settings, url=redis_url)
+    dramatiq.actor(lambda tag: None, actor_name="record", queue_name=QUEUE, broker=made)
+    try:
+        first_sent = send(made, "record", "first", 1)
+        consumer = made.consume(QUEUE, prefetch=1)
+        assert isinstance(consumer, DoorbellConsumer)
+        wait_until(consumer.ring.is_set, timeout_s=10)  # subscribed to every shard's channel
+        first = poll(lambda: next(consumer), timeout_s=10)  # the first look's poll finds it
+        assert first is not None and first.message_id == first_sent.message_id
+        second_sent = send(made, "record", "second", 2)  # rings shard 2 while the consumer is full
+        t0 = time.monotonic()
+        threading.Timer(0.3, consumer.ack, args=(first,)).start()
+        second = poll(lambda: next(consumer), timeout_s=10)
+        assert second is not None and second.message_id == second_sent.message_id
+        assert second.options[SHARD_OPTION] == 2 and 0.25 < time.monotonic() - t0 < 10
+        assert made.client.scard(made.keys.on(1).acks(made.broker_id, QUEUE)) == 0  # sent with that fetch
+        consumer.ack(second)
+        consumer.close()
+        assert made.do_qsize(QUEUE) == 0
+    finally:
+        close_broker(made, redis_url)
