@@ -18,6 +18,7 @@ import redis
 from dramatiq.message import Message
 from dramatiq.middleware import CurrentMessage, Retries
 from prometheus_client import REGISTRY
+from redis.crc import key_slot
 
 from tests.conftest import close_broker
 from tests.support.wait import poll, wait_until
@@ -333,3 +334,17 @@ def test_a_ring_passed_over_while_full_is_answered_after_the_ack_which_rides_on_
         assert made.do_qsize(QUEUE) == 0
     finally:
         close_broker(made, redis_url)
+
+
+@pytest.mark.parametrize("queue", [QUEUE, f"{QUEUE}.DQ"])
+def test_every_call_on_a_shards_queue_keeps_to_that_shards_slot(broker: DoorbellBroker, queue: str) -> None:
+    """dispatch.lua's and dead_letter.lua's keys of a shard's queue (its delay queue's, dead letters'
+    and this worker's ack sets included) and the doorbell it rings are all in the shard's slot."""
+    for shard in range(SHARDS):
+        on = broker.keys.on(shard)
+        keys = [k for command in ("enqueue", "fetch", "ack", "nack", "requeue", "purge", "qsize")
+                for k in broker.dispatch_keys(command, queue, shard)]
+        keys += [on.dead_letters(), on.doorbell_channel()]
+        assert {key_slot(k.encode()) for k in keys} == {key_slot(on.queue(queue).encode())}, keys
+    with pytest.raises(UnboundShard):
+        broker.dispatch_keys("fetch", queue)  # a sharded layout's queue key needs its shard
