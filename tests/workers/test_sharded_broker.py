@@ -348,3 +348,34 @@ def test_every_call_on_a_shards_queue_keeps_to_that_shards_slot(broker: Doorbell
         assert {key_slot(k.encode()) for k in keys} == {key_slot(on.queue(queue).encode())}, keys
     with pytest.raises(UnboundShard):
         broker.dispatch_keys("fetch", queue)  # a sharded layout's queue key needs its shard
+
+
+def test_one_poll_reads_every_queue_of_its_interval_on_every_shard_for_all_their_consumers(
+        redis_url: str) -> None:
+    """The consumers that poll at one interval share their polls: one consumer's poll finds what rang
+    nothing on another queue and rings that queue's consumer, which then polls no more itself."""
+    settings = dataclasses.replace(sharded_settings(redis_url), idle_poll_ms=30_000)
+    made = DoorbellBroker(settings=settings, url=redis_url)
+    dramatiq.actor(lambda tag: None, actor_name="record", queue_name=QUEUE, broker=made)
+    dramatiq.actor(lambda tag: None, actor_name="other", queue_name="other", broker=made)
+    try:
+        raw = Message(queue_name="other", actor_name="other", args=("raw",), kwargs={},
+                      options={"redis_message_id": "raw-2"})
+        on = made.keys.on(3)
+        made.client.hset(on.queue_messages("other"), "raw-2", raw.encode())
+        made.client.rpush(on.queue("other"), "raw-2")
+        mine, theirs = made.consume(QUEUE, prefetch=1), made.consume("other", prefetch=1)
+        group = made._poll_groups[30_000]
+        # subscribed: the listener rang every consumer once (any shard may have messages: a poll is due)
+        wait_until(lambda: mine.ring.is_set() and theirs.ring.is_set(), timeout_s=10)
+        threading.Thread(target=lambda: next(mine), daemon=True).start()  # its first look polls the group
+        wait_until(lambda: group.started_at > float("-inf"), timeout_s=10)
+        polled = group.started_at
+        found = poll(lambda: next(theirs), timeout_s=10)
+        assert found is not None and found.options["redis_message_id"] == "raw-2" and found.options[SHARD_OPTION] == 3
+        assert group.started_at == polled  # rung by the first consumer's poll: it polled nothing itself
+        theirs.ack(found)
+        theirs.close()
+        assert made.do_qsize("other") == 0
+    finally:
+        close_broker(made, redis_url)
