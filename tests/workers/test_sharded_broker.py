@@ -379,3 +379,14 @@ def test_one_poll_reads_every_queue_of_its_interval_on_every_shard_for_all_their
         assert made.do_qsize("other") == 0
     finally:
         close_broker(made, redis_url)
+
+
+def test_a_burst_over_every_shard_is_processed_exactly_once(
+        broker: DoorbellBroker, seen: Seen, worker: Callable[[], dramatiq.Worker]) -> None:
+    worker()
+    sent = [(f"b{n}", n % SHARDS) for n in range(200)]
+    for tag, shard in sent:
+        send(broker, "record", tag, shard)
+    wait_until(lambda: len(seen.calls) >= len(sent), timeout_s=30)
+    wait_until(lambda: settled(broker), timeout_s=10)
+    assert sorted(seen.calls) == sorted(sent)

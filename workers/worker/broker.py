@@ -282,12 +282,14 @@ class DoorbellBroker(RedisBroker):
         with group.lock:  # the group's other consumers wait, and find this poll recent enough
             if group.started_at > since:
                 return
-            group.started_at = time.monotonic()
-            queues = list(group.queues)
+            started_at = time.monotonic()
+            with self._rings_lock:  # `consume` adds to the group
+                queues = list(group.queues)
             with self.client.pipeline(transaction=False) as pipe:
                 for on in self.keys.every_shard():
                     pipe.exists(*(on.queue(q) for q in queues))
                 held = [shard for shard, n in enumerate(pipe.execute()) if n]
+            group.started_at = started_at  # a poll that failed is none: the next consumer polls
             found = [(q, shard) for shard in held for q in queues]
             if held and len(queues) > 1:
                 with self.client.pipeline(transaction=False) as pipe:
