@@ -18,6 +18,7 @@ import redis
 from dramatiq.message import Message
 from dramatiq.middleware import CurrentMessage, Retries
 from prometheus_client import REGISTRY
+from redis.crc import key_slot
 
 from tests.conftest import close_broker
 from tests.support.wait import poll, wait_until
@@ -284,3 +285,108 @@ def test_a_ring_names_its_shards_channel(broker: DoorbellBroker, redis_url: str)
     assert message["channel"] == broker.keys.on(1).doorbell_channel().encode()
     pubsub.close()
     client.close()
+
+
+def acked_everywhere(broker: DoorbellBroker) -> int:
+    return sum(int(broker.client.scard(broker.keys.on(s).acks(broker.broker_id, QUEUE))) for s in range(SHARDS))
+
+
+def test_prefetch_is_the_consumers_over_all_shards(broker: DoorbellBroker) -> None:
+    sent = {send(broker, "record", f"s{shard}-{n}", shard).message_id: shard
+            for shard in range(SHARDS) for n in range(2)}
+    consumer = broker.consume(QUEUE, prefetch=3)
+    taken: dict[str, int] = {}
+    while len(taken) < len(sent):
+        message = poll(lambda: next(consumer), timeout_s=10)
+        assert message is not None
+        # fetched and not acked yet: never more than the prefetch, whichever shards they came from
+        assert consumer.outstanding_message_count <= 3 and acked_everywhere(broker) <= 3
+        taken[message.message_id] = message.options[SHARD_OPTION]
+        consumer.ack(message)
+    assert taken == sent
+    consumer.close()
+    assert acked_everywhere(broker) == 0 and broker.do_qsize(QUEUE) == 0
+
+
+def test_a_ring_passed_over_while_full_is_answered_after_the_ack_which_rides_on_that_fetch(
+        redis_url: str) -> None:
+    """A full consumer keeps the shards that rang meanwhile; the ack that frees it wakes it, and one
+    round trip sends the ack to its shard and fetches the rung one (no poll: it is 30 s away)."""
+    settings = dataclasses.replace(sharded_settings(redis_url), idle_poll_ms=30_000)
+    made = DoorbellBroker(settings=settings, url=redis_url)
+    dramatiq.actor(lambda tag: None, actor_name="record", queue_name=QUEUE, broker=made)
+    try:
+        first_sent = send(made, "record", "first", 1)
+        consumer = made.consume(QUEUE, prefetch=1)
+        assert isinstance(consumer, DoorbellConsumer)
+        wait_until(consumer.ring.is_set, timeout_s=10)  # subscribed to every shard's channel
+        first = poll(lambda: next(consumer), timeout_s=10)  # the first look's poll finds it
+        assert first is not None and first.message_id == first_sent.message_id
+        second_sent = send(made, "record", "second", 2)  # rings shard 2 while the consumer is full
+        t0 = time.monotonic()
+        threading.Timer(0.3, consumer.ack, args=(first,)).start()
+        second = poll(lambda: next(consumer), timeout_s=10)
+        assert second is not None and second.message_id == second_sent.message_id
+        assert second.options[SHARD_OPTION] == 2 and 0.25 < time.monotonic() - t0 < 10
+        assert made.client.scard(made.keys.on(1).acks(made.broker_id, QUEUE)) == 0  # sent with that fetch
+        consumer.ack(second)
+        consumer.close()
+        assert made.do_qsize(QUEUE) == 0
+    finally:
+        close_broker(made, redis_url)
+
+
+@pytest.mark.parametrize("queue", [QUEUE, f"{QUEUE}.DQ"])
+def test_every_call_on_a_shards_queue_keeps_to_that_shards_slot(broker: DoorbellBroker, queue: str) -> None:
+    """dispatch.lua's and dead_letter.lua's keys of a shard's queue (its delay queue's, dead letters'
+    and this worker's ack sets included) and the doorbell it rings are all in the shard's slot."""
+    for shard in range(SHARDS):
+        on = broker.keys.on(shard)
+        keys = [k for command in ("enqueue", "fetch", "ack", "nack", "requeue", "purge", "qsize")
+                for k in broker.dispatch_keys(command, queue, shard)]
+        keys += [on.dead_letters(), on.doorbell_channel()]
+        assert {key_slot(k.encode()) for k in keys} == {key_slot(on.queue(queue).encode())}, keys
+    with pytest.raises(UnboundShard):
+        broker.dispatch_keys("fetch", queue)  # a sharded layout's queue key needs its shard
+
+
+def test_one_poll_reads_every_queue_of_its_interval_on_every_shard_for_all_their_consumers(
+        redis_url: str) -> None:
+    """The consumers that poll at one interval share their polls: one consumer's poll finds what rang
+    nothing on another queue and rings that queue's consumer, which then polls no more itself."""
+    settings = dataclasses.replace(sharded_settings(redis_url), idle_poll_ms=30_000)
+    made = DoorbellBroker(settings=settings, url=redis_url)
+    dramatiq.actor(lambda tag: None, actor_name="record", queue_name=QUEUE, broker=made)
+    dramatiq.actor(lambda tag: None, actor_name="other", queue_name="other", broker=made)
+    try:
+        raw = Message(queue_name="other", actor_name="other", args=("raw",), kwargs={},
+                      options={"redis_message_id": "raw-2"})
+        on = made.keys.on(3)
+        made.client.hset(on.queue_messages("other"), "raw-2", raw.encode())
+        made.client.rpush(on.queue("other"), "raw-2")
+        mine, theirs = made.consume(QUEUE, prefetch=1), made.consume("other", prefetch=1)
+        group = made._poll_groups[30_000]
+        # subscribed: the listener rang every consumer once (any shard may have messages: a poll is due)
+        wait_until(lambda: mine.ring.is_set() and theirs.ring.is_set(), timeout_s=10)
+        threading.Thread(target=lambda: next(mine), daemon=True).start()  # its first look polls the group
+        wait_until(lambda: group.started_at > float("-inf"), timeout_s=10)
+        polled = group.started_at
+        found = poll(lambda: next(theirs), timeout_s=10)
+        assert found is not None and found.options["redis_message_id"] == "raw-2" and found.options[SHARD_OPTION] == 3
+        assert group.started_at == polled  # rung by the first consumer's poll: it polled nothing itself
+        theirs.ack(found)
+        theirs.close()
+        assert made.do_qsize("other") == 0
+    finally:
+        close_broker(made, redis_url)
+
+
+def test_a_burst_over_every_shard_is_processed_exactly_once(
+        broker: DoorbellBroker, seen: Seen, worker: Callable[[], dramatiq.Worker]) -> None:
+    worker()
+    sent = [(f"b{n}", n % SHARDS) for n in range(200)]
+    for tag, shard in sent:
+        send(broker, "record", tag, shard)
+    wait_until(lambda: len(seen.calls) >= len(sent), timeout_s=30)
+    wait_until(lambda: settled(broker), timeout_s=10)
+    assert sorted(seen.calls) == sorted(sent)

@@ -13,9 +13,11 @@ worker's consumers fetch nothing more.
 
 In the sharded layout (`TL_SHARDS`) every queue is one per shard, each in its shard's slot, and
 there is still one consumer per queue (dramatiq's worker sends a message's ack to the consumer its
-body's `queue_name` names): it fetches from its rung shards first, polls every shard in one round
-trip, and stamps each message with the shard it came from (`SHARD_OPTION`), by which its ack, nack,
-requeue, dead letter and any enqueue of it (a retry, a delayed message's move) find their keys.
+body's `queue_name` names): it fetches from its rung shards first, in one round trip when several
+rang, and stamps each message with the shard it came from (`SHARD_OPTION`), by which its ack, nack,
+requeue, dead letter and any enqueue of it (a retry, a delayed message's move) find their keys. The
+consumers that poll at one interval poll together (`DoorbellBroker.poll`): one command per shard for
+all their queues, whose consumers the poll rings.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 from uuid import uuid4
@@ -60,30 +62,42 @@ T = TypeVar("T")
 
 class Ring(threading.Event):
     """A consumer's doorbell: set to wake it (a ring of its queue, an ack, a stopping broker). It also
-    keeps which of the queue's shards rang since the consumer last looked (`take`), or that every
-    shard may hold messages (the listener resubscribed: rings may have been lost)."""
+    keeps which of the queue's shards rang since the consumer last looked (`take`), and since when
+    every shard may hold messages (the listener resubscribed: rings may have been lost)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self._shards: dict[int, None] = {}
-        self._everywhere = False
+        self._everywhere_at: float | None = None
 
     def rang(self, shard: Shard) -> None:
         """`shard` of the queue has messages (None: any shard may)."""
         with self._lock:
             if shard is None:
-                self._everywhere = True
+                self._everywhere_at = time.monotonic()
             else:
                 self._shards[shard] = None
         self.set()
 
-    def take(self) -> tuple[list[int], bool]:
-        """The shards that rang since the last call, in order, and whether every shard may have messages."""
+    def take(self) -> tuple[list[int], float | None]:
+        """The shards that rang since the last call, in order, and since when (monotonic) every shard
+        may have messages (None: no such ring since the last call)."""
         with self._lock:
-            shards, everywhere = list(self._shards), self._everywhere
-            self._shards, self._everywhere = {}, False
-        return shards, everywhere
+            shards, everywhere_at = list(self._shards), self._everywhere_at
+            self._shards, self._everywhere_at = {}, None
+        return shards, everywhere_at
+
+
+@dataclass(slots=True)
+class _PollGroup:
+    """The queues whose consumers poll at one interval (sharded layout). One poll reads them all: per
+    shard one EXISTS of its queues (one slot), so its cost grows with the shards, not the queues."""
+
+    queues: dict[str, None] = field(default_factory=dict)
+    #: When the last poll started (monotonic).
+    started_at: float = float("-inf")
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class DoorbellBroker(RedisBroker):
@@ -118,6 +132,8 @@ class DoorbellBroker(RedisBroker):
         self.unsent_acks: dict[tuple[str, Shard], list[str]] = {}
         self.held_lock = threading.Lock()
         self._queue_keys: dict[tuple[str, Shard], list[str]] = {}
+        #: Sharded layout: the queues consumed here by their poll interval (ms), polled together.
+        self._poll_groups: dict[int, _PollGroup] = {}
         self._dispatch_script = self.client.register_script(lua.source("dispatch"))
 
     @property
@@ -141,6 +157,8 @@ class DoorbellBroker(RedisBroker):
         ring = Ring()
         with self._rings_lock:
             self._rings.setdefault(queue_name, []).append(ring)
+            if self.keys.shards:
+                self._poll_groups.setdefault(idle_ms, _PollGroup()).queues[queue_name] = None
         _ = self.listener
         return DoorbellConsumer(self, queue_name, prefetch, idle_ms, ring)
 
@@ -234,29 +252,52 @@ class DoorbellBroker(RedisBroker):
 
         return do_dispatch
 
-    def dispatch_each(self, calls: Sequence[tuple[str, str, Shard, Sequence[Any]]],
-                      lengths: Sequence[str] = ()) -> tuple[list[Any], list[Any]]:
-        """In one round trip (a pipeline, not a transaction: each call is in its own shard's slot),
-        dispatch.lua's `(command, queue, shard, args)` calls and LLEN of the `lengths` keys: their
-        replies, an exception in place of a call that failed."""
-        replies = self._pipeline(calls, lengths)
+    def dispatch_each(self, calls: Sequence[tuple[str, str, Shard, Sequence[Any]]]) -> list[Any]:
+        """dispatch.lua's `(command, queue, shard, args)` calls in one round trip (a pipeline, not a
+        transaction: each call is in its own shard's slot): their replies, an exception in place of a
+        call that failed."""
+        replies = self._pipeline(calls)
         # EVALSHA straight away: redis-py's pipeline would send SCRIPT EXISTS first, every time
-        missing = [i for i, reply in enumerate(replies[:len(calls)])
-                   if isinstance(reply, redis.exceptions.NoScriptError)]
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
         if missing:  # the server lost its scripts (a restart): none of these ran
             self.client.script_load(self._dispatch_script.script)
-            for i, reply in zip(missing, self._pipeline([calls[i] for i in missing], ()), strict=True):
+            for i, reply in zip(missing, self._pipeline([calls[i] for i in missing]), strict=True):
                 replies[i] = reply
-        return replies[:len(calls)], replies[len(calls):]
+        return replies
 
-    def _pipeline(self, calls: Sequence[tuple[str, str, Shard, Sequence[Any]]], lengths: Sequence[str]) -> list[Any]:
+    def _pipeline(self, calls: Sequence[tuple[str, str, Shard, Sequence[Any]]]) -> list[Any]:
         with self.client.pipeline(transaction=False) as pipe:
             for command, queue_name, shard, args in calls:
                 keys, argv = self._dispatch_call(command, queue_name, shard, args)
                 pipe.evalsha(self._dispatch_script.sha, len(keys), *keys, *argv)
-            for key in lengths:
-                pipe.llen(key)
             return list(pipe.execute(raise_on_error=False))
+
+    def poll(self, idle_ms: int, since: float) -> None:
+        """Sharded layout: look for messages that rang nothing (raw producers' enqueues, rings lost
+        with a connection) in every queue of the consumers polling every `idle_ms`, on every shard,
+        and ring this process's consumers of each (queue, shard) holding some; unless a poll of
+        them started after `since` (another consumer's), which saw what this one would. One round
+        trip of one EXISTS per shard; a second, of LLEN per queue, only for the shards that hold some."""
+        group = self._poll_groups[idle_ms]
+        with group.lock:  # the group's other consumers wait, and find this poll recent enough
+            if group.started_at > since:
+                return
+            started_at = time.monotonic()
+            with self._rings_lock:  # `consume` adds to the group
+                queues = list(group.queues)
+            with self.client.pipeline(transaction=False) as pipe:
+                for on in self.keys.every_shard():
+                    pipe.exists(*(on.queue(q) for q in queues))
+                held = [shard for shard, n in enumerate(pipe.execute()) if n]
+            group.started_at = started_at  # a poll that failed is none: the next consumer polls
+            found = [(q, shard) for shard in held for q in queues]
+            if held and len(queues) > 1:
+                with self.client.pipeline(transaction=False) as pipe:
+                    for q, shard in found:
+                        pipe.llen(self.keys.on(shard).queue(q))
+                    found = [pair for pair, n in zip(found, pipe.execute(), strict=True) if n]
+            for q, shard in found:  # before a consumer that waited for this poll looks at its ring
+                self._ring(q, shard)
 
     def _ring(self, queue_name: str, shard: Shard = None) -> None:
         with self._rings_lock:
@@ -399,9 +440,13 @@ class DoorbellConsumer(_RedisConsumer):
         #: Sharded layout: the shards the next look fetches from, in order (rung, or full at their last
         #: fetch: they may hold more); one that answers fewer messages than asked for leaves.
         self._pending: dict[Shard, None] = {}
-        #: Sharded layout: when the next look polls every shard (what rang nothing: raw producers'
-        #: enqueues, rings lost with a connection), `idle_s` after the last poll; the first look does.
+        #: Sharded layout: when the next look polls (`DoorbellBroker.poll`), `idle_s` after the last;
+        #: the first look does, unless a poll that started after this consumer was made saw its queue.
         self._poll_at = 0.0
+        #: Sharded layout: a poll of this consumer's group must have started after this to count as
+        #: this consumer's (its making; the last ring of every shard).
+        self._poll_since = time.monotonic()
+        self._idle_ms = idle_ms
 
     @property
     def sharded(self) -> bool:
@@ -461,31 +506,28 @@ class DoorbellConsumer(_RedisConsumer):
         self.queued_message_ids.discard(message.message_id)  # what dramatiq's ack does locally
         self.ring.set()
 
-    def _exchange(self, counts: Mapping[Shard, int], peeks: Sequence[Shard] = ()) -> tuple[
-            dict[Shard, list[bytes | None]], list[int]]:
+    def _exchange(self, counts: Mapping[Shard, int]) -> dict[Shard, list[bytes | None]]:
         """Send the unsent acks of the shards in `counts`, each with a fetch of up to `counts[shard]`
-        messages (0: none) in the same call, and read the lengths of the queues of `peeks`, in one round
-        trip: the fetched (id, body, ...) per shard, and the lengths. One server's layout: its one call,
-        as before. Acks a lost connection or a failed call kept from Redis are sent next time."""
+        messages (0: none) in the same call, in one round trip: the fetched (id, body, ...) per shard.
+        One server's layout: its one call, as before. Acks a lost connection or a failed call kept
+        from Redis are sent next time."""
         with self.broker.held_lock:
             acks = {shard: self.broker.unsent_acks.pop((self.queue_name, shard), []) for shard in counts}
         calls = [(shard, count, acks[shard]) for shard, count in counts.items() if count or acks[shard]]
         replies: list[Any] = []
-        lengths: list[Any] = []
         try:
-            if len(calls) == 1 and not peeks:
+            if len(calls) == 1:
                 shard, count, ids = calls[0]
                 replies = [self._run("fetch", shard, count, *ids) if count else self._run("ack", shard, *ids)]
-            elif calls or peeks:
-                replies, lengths = self.broker.dispatch_each(
+            elif calls:
+                replies = self.broker.dispatch_each(
                     [("fetch" if count else "ack", self.queue_name, shard, (count, *ids) if count else ids)
-                     for shard, count, ids in calls],
-                    [self.broker.keys.on(shard).queue(self.queue_name) for shard in peeks])
+                     for shard, count, ids in calls])
         except redis.RedisError:
             self._unsend(acks)
             raise
         fetched: dict[Shard, list[bytes | None]] = {}
-        failed = next((r for r in lengths if isinstance(r, Exception)), None)
+        failed: Exception | None = None
         for (shard, count, ids), reply in zip(calls, replies, strict=True):
             if isinstance(reply, Exception):
                 self._unsend({shard: ids})
@@ -498,7 +540,7 @@ class DoorbellConsumer(_RedisConsumer):
                 fetched[shard] = reply
         if failed is not None:
             raise failed  # what the other calls fetched is not held: the next consumer puts it back
-        return fetched, lengths
+        return fetched
 
     def _unsend(self, acks: Mapping[Shard, list[str]]) -> None:
         """Put acks that did not reach Redis back in front of the unsent ones."""
@@ -610,38 +652,44 @@ class DoorbellConsumer(_RedisConsumer):
     def _look(self, room: int) -> bool:
         """One round trip: send the unsent acks, fetch up to `room` messages into the cache, and in the
         sharded layout poll the shards when due. Whether anything was fetched."""
-        counts, peeks = self._plan(room)
-        fetched, lengths = self._exchange(counts, peeks)
+        counts = self._plan(room)
+        fetched = self._exchange(counts)
         for shard, count in counts.items():
             if count:
                 # fewer than asked for: empty now; as many: it may hold more, and goes behind the others
                 self._pending.pop(shard, None)
                 if len(fetched.get(shard, ())) // 2 >= count:
                     self._pending[shard] = None
-        self._pending.update((shard, None) for shard, length in zip(peeks, lengths, strict=True) if length)
         if room:
             self.message_cache = [m for shard, batch in fetched.items() for m in self._admit(batch, shard)]
         return any(fetched.values())
 
-    def _plan(self, room: int) -> tuple[dict[Shard, int], list[Shard]]:
+    def _plan(self, room: int) -> dict[Shard, int]:
         """How many messages to fetch from which shard (every shard with unsent acks is in, to send
-        them), and which shards' queue lengths to read: one server's layout fetches `room` from its one
-        queue. Sharded: `room` (prefetch is the consumer's, not a shard's) is split over the pending
-        shards, rung first, or else over the shards whose acks are sent anyway; when a poll is due
-        (or the listener resubscribed) every other shard's length is read, and a shard holding
-        messages is pending for the next look."""
+        them): one server's layout fetches `room` from its one queue. Sharded: when a poll is due (or
+        the listener resubscribed), the broker's poll first rings the shards holding messages; then
+        `room` (prefetch is the consumer's, not a shard's) is split over the pending shards, rung
+        first, or else over the shards whose acks are sent anyway."""
         if not self.sharded:
-            return {None: room}, []
-        rung, everywhere = self.ring.take()
-        self._pending.update(dict.fromkeys(rung))
+            return {None: room}
+        self._take_rings()
+        now = time.monotonic()
+        if room and now >= self._poll_at:
+            self._poll_at = now + self.idle_s
+            # a poll of the group started since (another consumer's) saw all this one would
+            self.broker.poll(self._idle_ms, max(now - self.idle_s, self._poll_since))
+            self._take_rings()
         with self.broker.held_lock:
             acked = [s for s in self.broker.shards if self.broker.unsent_acks.get((self.queue_name, s))]
-        counts = dict.fromkeys(acked, 0) | _share(room, list(self._pending) or acked)
-        now = time.monotonic()
-        if not room or not (everywhere or now >= self._poll_at):
-            return counts, []
-        self._poll_at = now + self.idle_s
-        return counts, [s for s in self.broker.shards if not counts.get(s)]
+        return dict.fromkeys(acked, 0) | _share(room, list(self._pending) or acked)
+
+    def _take_rings(self) -> None:
+        """The shards rung since the last look are pending; a ring of every shard makes a poll due,
+        one that starts after it."""
+        rung, everywhere_at = self.ring.take()
+        self._pending.update(dict.fromkeys(rung))
+        if everywhere_at is not None:
+            self._poll_at, self._poll_since = 0.0, max(self._poll_since, everywhere_at)
 
     def _wait_s(self, room: int) -> float:
         # A delay queue holding messages must look at their etas often; otherwise sleep until rung
