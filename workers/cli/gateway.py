@@ -18,7 +18,6 @@ from threadline.workers.cli.common import (
     producer,
 )
 from threadline.workers.settings import Settings
-from threadline.workers.storage.connect import sync_client
 
 
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
@@ -37,6 +36,8 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
         raise Exit(EXIT_BAD_INPUT, f"--console {console}: not a directory")
     configure_logging(settings)
     url = join(settings)
+
+    from threadline.workers.storage.connect import sync_client
 
     sync_client(url).ping()  # unreachable: one line and exit 4, before the port is taken
     print(f"threadline: gateway on http://{args.host}:{args.port} for {display_url(url)}", file=sys.stderr)

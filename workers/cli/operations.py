@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
-from threadline.workers.storage.connect import sync_client
 
 if TYPE_CHECKING:  # imported when a command runs: the CLI's start-up stays fast (bench/cli.py)
     from threadline.workers.operations.status import DeadLetter, DeadLetterBody, Operations, Status, TenantUsage
@@ -34,6 +33,7 @@ def operations(settings: Settings) -> Iterator[Operations]:
 
     from threadline.workers.cli.common import join
     from threadline.workers.operations.status import Operations
+    from threadline.workers.storage.connect import sync_client
 
     client = sync_client(join(settings))
     try:

@@ -9,12 +9,13 @@ is one code path.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-import redis.asyncio as aioredis
-import redis.asyncio.cluster as aiocluster
+
+if TYPE_CHECKING:  # loaded by the asyncio clients' functions: a sync client (the CLI's) never needs them
+    import redis.asyncio as aioredis
 
 #: A cluster client's connections per node. redis-py's asyncio cluster pool does not block when it is
 #: full (it raises), so its cap is set above what one process's stages and model calls hold at once.
@@ -56,6 +57,9 @@ def sync_client(url: str, **options: Any) -> redis.Redis:
 def async_client(url: str, *, max_connections: int, timeout_s: float, **options: Any) -> aioredis.Redis:
     """An asyncio client of `url` whose pool blocks up to `timeout_s` for one of `max_connections`
     (a cluster's holds up to `CLUSTER_CONNECTIONS_PER_NODE` per node instead)."""
+    import redis.asyncio as aioredis
+    import redis.asyncio.cluster as aiocluster
+
     plain = cluster_url(url)
     if plain is None:
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,
@@ -67,6 +71,9 @@ def async_client(url: str, *, max_connections: int, timeout_s: float, **options:
 
 def async_plain_client(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio client of `url` with redis-py's default pool (a cluster's: per node)."""
+    import redis.asyncio as aioredis
+    import redis.asyncio.cluster as aiocluster
+
     plain = cluster_url(url)
     if plain is None:
         return aioredis.Redis.from_url(url, **options)

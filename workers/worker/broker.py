@@ -45,6 +45,7 @@ from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, json_too_deep
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
+from threadline.workers.storage.connect import is_cluster, sync_client
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.calls import ModelCalls, default_model_calls
 from threadline.workers.worker.listener import Listener
@@ -103,7 +104,10 @@ class _PollGroup:
 class DoorbellBroker(RedisBroker):
     def __init__(self, *, settings: Settings, url: str, slow_queues: frozenset[str] = frozenset(),
                  entry_queues: frozenset[str] | None = None, **kwargs: Any) -> None:
-        super().__init__(url=url, namespace=settings.broker_namespace, **kwargs)  # type: ignore[no-untyped-call]
+        # a cluster URL: redis-py's RedisCluster, which routes each call by its keys' slot
+        client = sync_client(url) if is_cluster(url) else None
+        super().__init__(url=None if client else url, client=client,  # type: ignore[no-untyped-call]
+                         namespace=settings.broker_namespace, **kwargs)
         self.settings = settings
         #: Queues of model stages: their calls run detached (`calls.py`), their acks wait for them.
         self.slow_queues = slow_queues
@@ -269,7 +273,8 @@ class DoorbellBroker(RedisBroker):
         with self.client.pipeline(transaction=False) as pipe:
             for command, queue_name, shard, args in calls:
                 keys, argv = self._dispatch_call(command, queue_name, shard, args)
-                pipe.evalsha(self._dispatch_script.sha, len(keys), *keys, *argv)
+                # (execute_command: a cluster pipeline refuses `evalsha` by name, and routes this by its keys)
+                pipe.execute_command("EVALSHA", self._dispatch_script.sha, len(keys), *keys, *argv)
             return list(pipe.execute(raise_on_error=False))
 
     def poll(self, idle_ms: int, since: float) -> None:

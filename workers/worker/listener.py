@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import redis
 import structlog
 
+from threadline.workers.storage.connect import sync_client
+
 if TYPE_CHECKING:
     from threadline.workers.worker.reachability import Reachability
 
@@ -75,7 +77,7 @@ class Listener:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def _listen(self) -> None:
-        client = redis.Redis.from_url(self._url, socket_connect_timeout=2)
+        client = sync_client(self._url, socket_connect_timeout=2)  # a cluster's: PUBLISH reaches every node
         pubsub = client.pubsub()  # type: ignore[no-untyped-call]
         subscribed: set[str] = set()
         try:

@@ -169,8 +169,7 @@ def requeue_prefetched(broker: Any, worker: dramatiq.Worker) -> int:
         by_queue[item.message.queue_name].append(item.message)
     for queue_name, messages in by_queue.items():
         try:
-            worker.consumers[queue_name].requeue_messages(messages)
-            broker.ring(queue_name)
+            worker.consumers[queue_name].requeue_messages(messages)  # rings each shard it put back on
         except (dramatiq.errors.BrokerConnectionError, redis.RedisError) as e:
             # they stay in the ack set: the watchdog puts them back once this process is gone
             log.warning("requeue_failed", queue=queue_name, messages=len(messages), error=type(e).__name__)
