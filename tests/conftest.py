@@ -23,7 +23,9 @@ from tests.support.restartable import Restartable
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.clients.client import Client
+from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import is_cluster, sync_client
 from threadline.workers.storage.embedded import ensure_embedded
 from threadline.workers.storage.store import Store
 from threadline.workers.worker.broker import DoorbellBroker
@@ -112,12 +114,14 @@ class WorkerPool:
         return self
 
     def wait_ready(self, processes: int, timeout_s: float = 30) -> None:
-        """Ready when every process has subscribed to the cancel channel."""
-        client = redis.Redis.from_url(self.url)
+        """Ready when every process has subscribed to the cancel channel (on a cluster, whose nodes
+        count their own subscribers only: when every process has registered its heartbeat)."""
+        client = sync_client(self.url)
         deadline = time.monotonic() + timeout_s
         channel = f"{self.prefix}:cancel"
+        registry = Keys(self.prefix, shards=1).workers()  # the fleet's keys: the same in every sharded layout
         while time.monotonic() < deadline:
-            subscribers = client.pubsub_numsub(channel)[0][1]
+            subscribers = client.hlen(registry) if is_cluster(self.url) else client.pubsub_numsub(channel)[0][1]
             if subscribers >= processes:
                 client.close()
                 return

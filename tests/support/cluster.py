@@ -85,7 +85,9 @@ class Cluster:
             info = self.nodes[0].client().cluster("INFO")
         except redis.RedisError:
             return False
-        replicas = sum(1 for n in self.nodes if n.alive() and n.role() == "slave")
+        # a replica takes over only once it has synced: one still loading its primary's data would
+        # leave the slots unserved if the primary died now
+        replicas = sum(1 for n in self.nodes if n.alive() and n.role() == "slave" and _synced(n))
         return _state_ok(info) and replicas == self.replicas * self.primaries
 
     def primary_nodes(self) -> list[Node]:
@@ -130,6 +132,14 @@ def _state_ok(info: object) -> bool:
     """CLUSTER INFO says every slot is served (redis-py parses the reply into a dict)."""
     state = info.get("cluster_state") if isinstance(info, dict) else None
     return state in ("ok", b"ok")
+
+
+def _synced(node: Node) -> bool:
+    """A replica's link to its primary is up (INFO replication)."""
+    try:
+        return node.client().info("replication").get("master_link_status") == "up"
+    except redis.RedisError:
+        return False
 
 
 def _pings(port: int) -> bool:

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
+import redis
+
 from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
 from threadline.pipeline.ids import new_conversation_id, valid_id, valid_turn_id
@@ -410,7 +412,16 @@ class Client:
                 time.sleep(min(block or 0, UNKNOWN_TURN_POLL_MS) / 1000)
                 keys = self.turn_keys(turn_id)
                 continue
-            found = stream_entries(self.redis.xread({keys.events(turn_id): after}, block=block, count=500))
+            try:
+                found = stream_entries(self.redis.xread({keys.events(turn_id): after}, block=block, count=500))
+            except redis.ConnectionError:
+                if not (follow and isinstance(self.redis, redis.RedisCluster)):
+                    raise
+                # a node fails over: redis-py asks its default node for XREAD's keys, outside its
+                # retries, and that node may be the dead one
+                self.redis.replace_default_node()
+                time.sleep(UNKNOWN_TURN_POLL_MS / 1000)
+                continue
             for after, event in found:
                 yield after, event
                 if event.type in TERMINAL_TYPES:

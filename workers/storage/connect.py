@@ -1,5 +1,7 @@
 """Connections by URL: one server (`redis://`, `rediss://`, `unix://`) or a Redis Cluster
-(`redis+cluster://host:port`, `rediss+cluster://`: any node; the client finds the others).
+(`redis+cluster://host:port[,host:port...]`, `rediss+cluster://`: the nodes to start from; the
+client finds the others, and name several so that a client whose first node is down still finds the
+cluster).
 
 A cluster needs the sharded key layout (`TL_SHARDS`): every script of a turn then touches one slot.
 redis-py's `RedisCluster` routes each command, script call and pipeline part to its slot's node; it
@@ -20,6 +22,11 @@ if TYPE_CHECKING:  # loaded by the asyncio clients' functions: a sync client (th
 #: A cluster client's connections per node. redis-py's asyncio cluster pool does not block when it is
 #: full (it raises), so its cap is set above what one process's stages and model calls hold at once.
 CLUSTER_CONNECTIONS_PER_NODE = 1024
+#: A cluster client's retries of a command whose node failed (it re-reads the topology between
+#: them): exponential from 0.1 s to 1 s, 20 times, which outlasts a primary's failover (a few
+#: seconds with `cluster-node-timeout` 1 s; `tests/cluster`).
+CLUSTER_RETRIES = 20
+CLUSTER_BACKOFF_S = (0.1, 1.0)
 #: The URL schemes of a Redis Cluster, and the plain scheme each stands for.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -29,10 +36,27 @@ class ClusterNeedsShards(ValueError):
 
 
 def cluster_url(url: str) -> str | None:
-    """The plain URL of a cluster's node when `url` names a cluster, else None."""
+    """The plain URL of a cluster's first node when `url` names a cluster, else None."""
+    nodes = cluster_nodes(url)
+    if nodes is None:
+        return None
+    scheme, user, nodes_ = nodes
+    host, port = nodes_[0]
+    return urlunsplit((scheme, f"{user}{host}:{port}", "", "", ""))
+
+
+def cluster_nodes(url: str) -> tuple[str, str, list[tuple[str, int]]] | None:
+    """A cluster URL's plain scheme, its `user:password@` part ("" without) and its nodes."""
     parts = urlsplit(url)
     plain = CLUSTER_SCHEMES.get(parts.scheme)
-    return urlunsplit((plain, parts.netloc, "", "", "")) if plain else None
+    if plain is None:
+        return None
+    user, _, hosts = parts.netloc.rpartition("@")
+    nodes = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        nodes.append((host or address, int(port) if port.isdigit() else 6379))
+    return plain, f"{user}@" if user else "", nodes
 
 
 def is_cluster(url: str) -> bool:
@@ -51,7 +75,15 @@ def sync_client(url: str, **options: Any) -> redis.Redis:
     plain = cluster_url(url)
     if plain is None:
         return redis.Redis.from_url(url, **options)
-    return cast(redis.Redis, redis.RedisCluster.from_url(plain, **options))
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.retry import Retry
+
+    base, cap = CLUSTER_BACKOFF_S
+    retry = Retry(ExponentialWithJitterBackoff(base=base, cap=cap), CLUSTER_RETRIES)
+    from redis.cluster import ClusterNode
+
+    nodes = [ClusterNode(host, port) for host, port in _nodes(url)]
+    return cast(redis.Redis, redis.RedisCluster.from_url(plain, startup_nodes=nodes, retry=retry, **options))
 
 
 def async_client(url: str, *, max_connections: int, timeout_s: float, **options: Any) -> aioredis.Redis:
@@ -65,8 +97,9 @@ def async_client(url: str, *, max_connections: int, timeout_s: float, **options:
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,
                                                         **options)
         return aioredis.Redis(connection_pool=pool)
-    return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(plain, max_connections=CLUSTER_CONNECTIONS_PER_NODE,
-                                                                 **options))
+    return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(
+        plain, startup_nodes=_async_nodes(url), max_connections=CLUSTER_CONNECTIONS_PER_NODE, retry=_async_retry(),
+        **options))
 
 
 def async_plain_client(url: str, **options: Any) -> aioredis.Redis:
@@ -77,4 +110,25 @@ def async_plain_client(url: str, **options: Any) -> aioredis.Redis:
     plain = cluster_url(url)
     if plain is None:
         return aioredis.Redis.from_url(url, **options)
-    return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(plain, **options))
+    return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(plain, startup_nodes=_async_nodes(url),
+                                                                 retry=_async_retry(), **options))
+
+
+def _nodes(url: str) -> list[tuple[str, int]]:
+    found = cluster_nodes(url)
+    assert found is not None
+    return found[2]
+
+
+def _async_nodes(url: str) -> list[Any]:
+    from redis.asyncio.cluster import ClusterNode
+
+    return [ClusterNode(host, port) for host, port in _nodes(url)]
+
+
+def _async_retry() -> Any:
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    base, cap = CLUSTER_BACKOFF_S
+    return Retry(ExponentialWithJitterBackoff(base=base, cap=cap), CLUSTER_RETRIES)

@@ -1,0 +1,119 @@
+"""Threadline on a real Redis Cluster (`tests/support/cluster.py`: three primaries, a replica each,
+on this machine): sharded workers and the Python client on a `redis+cluster://` URL run turns whose
+keys spread over every primary, and a primary killed mid-run fails over with every turn ending
+exactly once."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis.cluster import RedisCluster
+
+from tests.conftest import WorkerPool, turn
+from tests.support.cluster import Cluster
+from tests.support.turns import all_events, python_model
+from tests.support.wait import wait_until
+from threadline.pipeline import events as ev
+from threadline.pipeline.config import AgentConfig
+from threadline.workers.clients.client import Client
+from threadline.workers.protocol.keys import Keys
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Cluster.available(), reason="redis-server is not installed")]
+
+#: A multiple of the three primaries: each holds two shards.
+SHARDS = 6
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with Cluster(tmp_path / "cluster") as started:
+        yield started
+
+
+def cluster_url(cluster: Cluster) -> str:
+    """Every node of the cluster, as a deployment names them (a client whose first node is the one
+    killed still finds the cluster)."""
+    return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
+
+
+def pool_on(cluster: Cluster, tmp_path: Path, **env: str) -> WorkerPool:
+    return WorkerPool(cluster_url(cluster), f"tlc{uuid.uuid4().hex[:8]}", tmp_path,
+                      env={"TL_SHARDS": str(SHARDS), **env})
+
+
+def first_turn_ids(layout: Keys, per_shard: int) -> list[str]:
+    """Turn ids whose conversations (`c-<turn id>`) fill every shard `per_shard` times."""
+    found: dict[int, list[str]] = {i: [] for i in range(SHARDS)}
+    while any(len(ids) < per_shard for ids in found.values()):
+        turn_id = f"t-{uuid.uuid4().hex[:12]}"
+        ids = found[layout.shard_of(f"c-{turn_id}") or 0]
+        if len(ids) < per_shard:
+            ids.append(turn_id)
+    return [t for ids in found.values() for t in ids]
+
+
+def test_turns_run_on_a_three_primary_cluster(cluster: Cluster, tmp_path: Path) -> None:
+    pool = pool_on(cluster, tmp_path).start(processes=2, threads=4)
+    client = Client(pool.url, prefix=pool.prefix)
+    try:
+        client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
+        layout = Keys(pool.prefix, SHARDS)
+        firsts = [client.submit(turn("echo", f"hello {t}", turn_id=t)) for t in first_turn_ids(layout, 3)]
+        assert all(isinstance(client.wait(t, timeout_s=60), ev.Succeeded) for t in firsts)
+        conversations = [client.turn_state(t).conversation_id for t in firsts]
+        seconds = [client.submit(turn("echo", "and again", conversation_id=c)) for c in conversations]
+        assert all(isinstance(client.wait(t, timeout_s=60), ev.Succeeded) for t in seconds)
+        assert [len(client.thread(c)) for c in conversations] == [2] * len(conversations)
+
+        # the turns' keys are on every primary, two shards each
+        node = RedisCluster.from_url(cluster.url)
+        primaries = Counter(node.get_node_from_key(layout.on(i).running()).port for i in range(SHARDS))
+        assert sorted(primaries.values()) == [2, 2, 2], primaries
+        held = Counter(node.get_node_from_key(layout.of_conversation(c).turn(t)).port
+                       for t, c in zip(firsts, conversations, strict=True))
+        assert len(held) == 3, held
+        node.close()
+
+        cancelled = client.submit(turn("echo", "never mind", conversation_id=conversations[0]))
+        client.cancel(cancelled, "changed my mind")
+        assert client.wait(cancelled, timeout_s=60).type in ("cancelled", "succeeded")
+        assert client.delete_conversation(conversations[1], tenant_id="t1").status == "deleted"
+        assert client.thread(conversations[1]) == []
+    finally:
+        client.close()
+        pool.discard()
+
+
+def test_a_killed_primary_fails_over_and_every_turn_ends_once(cluster: Cluster, tmp_path: Path) -> None:
+    """A primary holding two shards is SIGKILLed while 36 streaming turns run (default recovery
+    settings); its replica takes over and the workers' clients follow the new topology. Every turn
+    ends once, succeeded, and its events have no gap."""
+    pool = pool_on(cluster, tmp_path).start(processes=2, threads=4)
+    client = Client(pool.url, prefix=pool.prefix)
+    try:
+        client.put_agent(AgentConfig.model_validate(
+            {"id": "slow", "model": python_model("streaming", words=30, delay_ms=40)}))
+        layout = Keys(pool.prefix, SHARDS)
+        turns = [client.submit(turn("slow", f"go {t}", turn_id=t)) for t in first_turn_ids(layout, 6)]
+        wait_until(lambda: sum(client.turn_state(t).status != "" for t in turns) >= 12, timeout_s=60)
+        victim = cluster.primary_nodes()[0]
+        cluster.kill(victim)
+        cluster.wait_failover(victim)
+        ends: dict[str, list[str]] = {}
+        for turn_id in turns:
+            client.wait(turn_id, timeout_s=180)
+            seen = all_events(client, turn_id)
+            assert [e.seq for e in seen] == list(range(1, len(seen) + 1)), (turn_id, seen)
+            ends[turn_id] = [e.type for e in seen if isinstance(e, ev.Terminal)]
+        outcomes = Counter(types[0] for types in ends.values() if len(types) == 1)
+        print(f"after a primary's failover: {dict(outcomes)} of {len(turns)} turns")
+        assert all(len(types) == 1 for types in ends.values()), ends
+        # nothing lost: the stages that failed on the dead node ran again once it was replaced
+        assert outcomes == {"succeeded": len(turns)}, outcomes
+    finally:
+        client.close()
+        pool.discard()
