@@ -76,13 +76,12 @@ def sync_client(url: str, **options: Any) -> redis.Redis:
     if plain is None:
         return redis.Redis.from_url(url, **options)
     from redis.backoff import ExponentialWithJitterBackoff
+    from redis.cluster import ClusterNode
     from redis.retry import Retry
 
     base, cap = CLUSTER_BACKOFF_S
     retry = Retry(ExponentialWithJitterBackoff(base=base, cap=cap), CLUSTER_RETRIES)
-    from redis.cluster import ClusterNode
-
-    nodes = [ClusterNode(host, port) for host, port in _nodes(url)]
+    nodes = [ClusterNode(host, port) for host, port in _nodes(url)]  # type: ignore[no-untyped-call]
     return cast(redis.Redis, redis.RedisCluster.from_url(plain, startup_nodes=nodes, retry=retry, **options))
 
 

@@ -75,7 +75,13 @@ def start_worker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_GR
     """A running worker in this process (`serve` runs one until a signal; tests run one in-process)."""
     threads = threads or settings.threads
     broker = create_broker(settings, url, graph=graph)
-    claim_layout(broker.client, settings, url)
+    try:
+        claim_layout(broker.client, settings, url)
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        # started before Redis: its consumers wait for it with backoff, and so does the claim
+        broker.reachability.failed("layout", e)
+        threading.Thread(target=_claim_later, args=(broker, settings, url), name="threadline-layout",
+                         daemon=True).start()
     unknown = sorted(set(queues) - set(all_queues(graph)))
     if unknown:
         raise ValueError(f"unknown queues {unknown}; the queues are {list(all_queues(graph))}")
@@ -95,6 +101,23 @@ def claim_layout(client: redis.Redis, settings: Settings, url: str) -> None:
     if shards != settings.shards:
         raise ValueError(f"TL_SHARDS is {settings.shards}, but the data under prefix {settings.prefix!r} is laid out "
                          f"in {shards} shards ({key}): start the workers with TL_SHARDS={shards}")
+
+
+def _claim_later(broker: DoorbellBroker, settings: Settings, url: str) -> None:
+    """`claim_layout` once Redis answers; a layout refused then stops the process (SIGTERM: its
+    consumers found nothing of theirs meanwhile, since producers write in the stored layout)."""
+    while not broker.closing:
+        time.sleep(broker.reachability.retry_in("layout"))
+        try:
+            claim_layout(broker.client, settings, url)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            broker.reachability.failed("layout", e)
+            continue
+        except ValueError as e:
+            log.error("layout_refused", error=str(e))
+            os.kill(os.getpid(), signal.SIGTERM)
+        broker.reachability.ok("layout")
+        return
 
 
 def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: int | None = None) -> None:
