@@ -117,6 +117,17 @@ def test_the_scripts_that_cross_slots_are_the_known_ones(
     assert crossing == CROSSING_TODAY & set(slots), {name: sorted(map(sorted, calls)) for name, calls in slots.items()}
 
 
+def branching_agent(client: Client, tmp_path: Path) -> str:
+    """An agent whose turns take the other branches: a model call that fails once with a 503 (and
+    is retried), `max_concurrency` model slots, long-term memory."""
+    agent = f"agent-{uuid.uuid4().hex[:8]}"
+    client.put_agent(AgentConfig.model_validate({
+        "id": agent, "memory": {"long_term": {}},
+        "model": {**python_model("failing", status=503, times=1, record=str(tmp_path / "calls.jsonl")),
+                  "max_concurrency": 2}}))
+    return agent
+
+
 def test_retries_model_slots_webhooks_and_memory_cross_only_where_known(
     isolated: Callable[..., WorkerPool], tmp_path: Path
 ) -> None:
@@ -125,11 +136,7 @@ def test_retries_model_slots_webhooks_and_memory_cross_only_where_known(
     (memory_*)."""
     pool = isolated({"TL_WEBHOOK_HOSTS": "all", "TL_DELAY_POLL_MS": "100"}).start(processes=1, threads=4)
     client = Client(pool.url, prefix=pool.prefix)
-    agent = f"agent-{uuid.uuid4().hex[:8]}"
-    client.put_agent(AgentConfig.model_validate({
-        "id": agent, "memory": {"long_term": {}},
-        "model": {**python_model("failing", status=503, times=1, record=str(tmp_path / "calls.jsonl")),
-                  "max_concurrency": 2}}))
+    agent = branching_agent(client, tmp_path)
     with WebhookReceiver() as receiver, monitored(pool.url) as commands:
         first = client.submit(turn(agent, "my name is Ada", webhook_url=receiver.url))
         assert isinstance(client.wait(first, timeout_s=60), ev.Succeeded)
@@ -155,11 +162,7 @@ def test_in_the_sharded_layout_no_script_crosses_slots(isolated: Callable[..., W
     with monitored(pool.url) as commands:
         pool.start(processes=1, threads=4)
         client = Client(pool.url, prefix=pool.prefix)
-        agent = f"agent-{uuid.uuid4().hex[:8]}"
-        client.put_agent(AgentConfig.model_validate({
-            "id": agent, "memory": {"long_term": {}},
-            "model": {**python_model("failing", status=503, times=1, record=str(tmp_path / "calls.jsonl")),
-                      "max_concurrency": 2}}))
+        agent = branching_agent(client, tmp_path)
         with WebhookReceiver() as receiver:
             first = client.submit(turn(agent, "my name is Ada", webhook_url=receiver.url))
             assert isinstance(client.wait(first, timeout_s=60), ev.Succeeded)
