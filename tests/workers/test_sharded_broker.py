@@ -273,15 +273,15 @@ def test_orphans_of_a_shard_are_requeued_onto_that_shard(broker: DoorbellBroker)
     assert again is not None and again.options["redis_message_id"] == orphan and again.options[SHARD_OPTION] == 3
 
 
-def test_a_ring_names_its_shards_channel_on_sharded_pub_sub(broker: DoorbellBroker, redis_url: str) -> None:
+def test_a_ring_names_its_shards_channel(broker: DoorbellBroker, redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     pubsub = client.pubsub()
-    pubsub.ssubscribe(broker.keys.on(1).doorbell_channel())
+    pubsub.subscribe(broker.keys.on(1).doorbell_channel())
     wait_until(lambda: pubsub.get_message(timeout=0.1) is not None, timeout_s=5)  # the subscribe reply
     broker.ring(QUEUE, 3)  # another shard's channel: not heard here
     broker.ring(QUEUE, 1)
     message = poll(lambda: pubsub.get_message(timeout=0.1), timeout_s=5)
-    assert message is not None and message["data"] == QUEUE.encode() and message["type"] == "smessage"
+    assert message is not None and message["data"] == QUEUE.encode()
     assert message["channel"] == broker.keys.on(1).doorbell_channel().encode()
     pubsub.close()
     client.close()

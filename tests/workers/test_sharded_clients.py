@@ -118,7 +118,7 @@ def test_a_submit_goes_onto_its_conversations_shard_with_its_pointer_and_doorbel
     first = next(t for t in iter(lambda: uuid.uuid4().hex, "")
                  if layout.shard_of(new_conversation_id(t)) != bound.shard)
     bell = sharded.redis.pubsub(ignore_subscribe_messages=True)
-    bell.ssubscribe(bound.doorbell_channel())
+    bell.subscribe(bound.doorbell_channel())
     try:
         follow_up = sharded.submit(turn("bot", "hi", conversation_id=cid))
         new = sharded.submit(turn("bot", "a first turn", turn_id=first))

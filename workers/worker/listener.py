@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 import structlog
@@ -19,10 +19,6 @@ if TYPE_CHECKING:
     from threadline.workers.worker.reachability import Reachability
 
 log = structlog.get_logger(__name__)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 #: The longest wait before resubscribing: the doorbell and cancels should be back soon after Redis is.
 MAX_BACKOFF_S = 5.0
 
@@ -81,42 +77,27 @@ class Listener:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def _listen(self) -> None:
-        client = sync_client(self._url, socket_connect_timeout=2)
-        pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call]
-        # a channel named with a hash tag (a shard's doorbell) is a shard channel (SSUBSCRIBE: on a
-        # cluster, the node of its slot); the others are broadcast channels (SUBSCRIBE)
-        sharded_reads = isinstance(client, redis.RedisCluster)  # its shard channels arrive per node
+        client = sync_client(self._url, socket_connect_timeout=2)  # a cluster's: PUBLISH reaches every node
+        pubsub = client.pubsub()  # type: ignore[no-untyped-call]
         subscribed: set[str] = set()
-        confirmations = 0
         try:
             while not self._stopping.is_set():
                 with self._lock:
                     missing = [c for c in self._handlers if c not in subscribed]
                 if missing:
-                    plain = [c for c in missing if "{" not in c]
-                    shard = [c for c in missing if "{" in c]
-                    if plain:
-                        pubsub.subscribe(*plain)
-                    if shard:
-                        pubsub.ssubscribe(*shard)
+                    pubsub.subscribe(*missing)
                     subscribed.update(missing)
-                message = pubsub.get_message(timeout=0.5 if sharded_reads else 1.0)
-                if message is None and sharded_reads:
-                    message = pubsub.get_sharded_message(timeout=0.5)
+                message = pubsub.get_message(timeout=1.0)
                 if message is None:
                     continue
-                kind = message["type"]
-                kind = kind.decode() if isinstance(kind, bytes) else kind
-                if kind in ("subscribe", "ssubscribe"):
-                    # one confirmation per channel; all confirmed: anything published from now on
-                    # reaches us, so ring everyone once to fetch what was enqueued while we were away
-                    confirmations += 1
-                    if confirmations == len(subscribed):
-                        if self._reachability is not None:
-                            self._reachability.ok("listener")
-                        self._notify_reconnect()
-                elif kind in ("message", "smessage"):
-                    self._dispatch(_text(message["channel"]), _text(message["data"]))
+                if message["type"] == "subscribe" and message["data"] == len(subscribed):
+                    # Confirmed: anything published from now on reaches us; ring everyone once so
+                    # that what was enqueued while we were away is fetched now.
+                    if self._reachability is not None:
+                        self._reachability.ok("listener")
+                    self._notify_reconnect()
+                elif message["type"] == "message":
+                    self._dispatch(message["channel"].decode(), message["data"].decode())
         finally:
             pubsub.close()
             client.close()
