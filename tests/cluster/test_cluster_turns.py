@@ -63,10 +63,10 @@ def test_turns_run_on_a_three_primary_cluster(cluster: Cluster, tmp_path: Path) 
         client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
         layout = Keys(pool.prefix, SHARDS)
         firsts = [client.submit(turn("echo", f"hello {t}", turn_id=t)) for t in first_turn_ids(layout, 3)]
-        assert all(isinstance(client.wait(t, timeout_s=60), ev.Succeeded) for t in firsts)
+        assert all(isinstance(client.wait(t, timeout_s=120), ev.Succeeded) for t in firsts)
         conversations = [client.turn_state(t).conversation_id for t in firsts]
         seconds = [client.submit(turn("echo", "and again", conversation_id=c)) for c in conversations]
-        assert all(isinstance(client.wait(t, timeout_s=60), ev.Succeeded) for t in seconds)
+        assert all(isinstance(client.wait(t, timeout_s=120), ev.Succeeded) for t in seconds)
         assert [len(client.thread(c)) for c in conversations] == [2] * len(conversations)
 
         # the turns' keys are on every primary, two shards each
