@@ -64,3 +64,9 @@ def test_shard_tags_spread_evenly_over_equal_slot_ranges(count: int, primaries: 
         assert set(per_primary.values()) == {count // primaries}
     else:  # the shards whose range a primary's boundary cuts fall to either side
         assert max(per_primary.values()) <= count // primaries + 2
+
+
+def test_a_turns_pointer_names_its_shard_or_nothing() -> None:
+    k = Keys("tl", shards=4)
+    assert k.pointed(b"2") == k.on(2) and k.pointed("3") == k.on(3)
+    assert [k.pointed(raw) for raw in (None, b"4", b"-1", b"x", "")] == [None] * 5

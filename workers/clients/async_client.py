@@ -51,7 +51,6 @@ from threadline.workers.clients.layout import (
     async_layout_keys,
     merged_page,
     own_shards,
-    pointer_shard,
     pointer_ttl_s,
     request_shard,
     taken_elsewhere,
@@ -162,9 +161,9 @@ class AsyncClient:
         if not keys.shards:
             return keys
         shard = self._turn_shards.get(turn_id)
-        if shard is None:
-            shard = pointer_shard(await self.redis.get(keys.turn_shard(turn_id)), keys)
-        return None if shard is None else keys.on(shard)
+        if shard is not None:
+            return keys.on(shard)
+        return keys.pointed(await self.redis.get(keys.turn_shard(turn_id)))
 
     async def close(self) -> None:
         await self.redis.aclose()

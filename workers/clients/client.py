@@ -59,7 +59,6 @@ from threadline.workers.clients.layout import (
     layout_keys,
     merged_page,
     own_shards,
-    pointer_shard,
     pointer_ttl_s,
     raw_ids,
     request_shard,
@@ -170,9 +169,9 @@ class Client:
         if not keys.shards:
             return keys
         shard = self._turn_shards.get(turn_id)
-        if shard is None:
-            shard = pointer_shard(self.redis.get(keys.turn_shard(turn_id)), keys)
-        return None if shard is None else keys.on(shard)
+        if shard is not None:
+            return keys.on(shard)
+        return keys.pointed(self.redis.get(keys.turn_shard(turn_id)))
 
     @cached_property
     def registry(self) -> AgentRegistry:

@@ -83,17 +83,6 @@ def raw_ids(request: object, message_id: str) -> tuple[str | None, str]:
     return (cid if isinstance(cid, str) and cid else None), (tid if isinstance(tid, str) and tid else message_id)
 
 
-def pointer_shard(raw: bytes | str | None, keys: Keys) -> int | None:
-    """The shard a turn's pointer names (None: no pointer, or none of this layout's shards)."""
-    if raw is None:
-        return None
-    try:
-        shard = int(text(raw))
-    except ValueError:
-        return None
-    return shard if 0 <= shard < keys.shards else None
-
-
 def pointer_ttl_s(turn_ttl_s: int) -> int:
     """A shard pointer's TTL: the turn's (`TL_TURN_TTL_S`) and `TURN_SHARD_SLACK_S`, so a reader that
     comes late still finds where the turn's keys were, and reads them as gone rather than unknown."""

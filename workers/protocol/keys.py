@@ -113,6 +113,15 @@ class Keys:
         """The keys bound to the shard of `conversation_id` (where its turns' keys live)."""
         return self.on(self.shard_of(conversation_id))
 
+    def pointed(self, raw: bytes | str | None) -> Keys | None:
+        """The keys of the shard a turn's pointer (`turn_shard`) names; None: no pointer, or none of
+        this layout's shards."""
+        try:
+            shard = int(raw.decode() if isinstance(raw, bytes) else raw) if raw is not None else -1
+        except ValueError:
+            return None
+        return self.on(shard) if 0 <= shard < self.shards else None
+
     def every_shard(self) -> list[Keys]:
         """One bound builder per shard (one server's layout: itself), for readers of every index."""
         return [self.on(i) for i in range(self.shards)] if self.shards else [self]

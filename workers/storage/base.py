@@ -67,8 +67,7 @@ class StoreBase:
         k = self.keys
         if not k.shards or k.shard is not None:
             return k
-        raw = await self.redis.get(k.turn_shard(turn_id))
-        return k.on(int(raw)) if raw is not None else None
+        return k.pointed(await self.redis.get(k.turn_shard(turn_id)))
 
     @classmethod
     def connect(cls, url: str, settings: Settings, graph: StageGraph) -> Self:
