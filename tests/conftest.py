@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 from hypothesis import settings as hypothesis_settings
 
+from tests.support.cluster import Cluster
 from tests.support.restartable import Restartable
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
-from threadline.workers.storage.connect import is_cluster, sync_client
+from threadline.workers.storage.connect import async_plain_client, is_cluster, sync_client
 from threadline.workers.storage.embedded import ensure_embedded
 from threadline.workers.storage.store import Store
 from threadline.workers.worker.broker import DoorbellBroker
@@ -54,16 +54,25 @@ def close_broker(broker: DoorbellBroker, redis_url: str) -> None:
     """Stop a broker a test made (its consumers wake and fetch no more) and drop its prefix's keys."""
     broker.before_shutdown()
     broker.close()
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     drop_prefix(r, broker.settings.prefix)
     r.close()
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The server the tests run on: `TL_TEST_CLUSTER=N` starts a Redis Cluster of N primaries for this
+    session (`tests/support/cluster.py`; the sharded layout, `TL_SHARDS` or 2 shards per primary);
+    else REDIS_URL; else the embedded Valkey."""
+    primaries = int(os.environ.get("TL_TEST_CLUSTER") or 0)
+    if primaries:
+        with Cluster(tmp_path_factory.mktemp("cluster"), primaries=primaries, replicas=0) as cluster:
+            os.environ.setdefault("TL_SHARDS", str(2 * primaries))  # read by the workers and clients started here
+            yield cluster.every_node_url
+        return
     url = os.environ.get("REDIS_URL")
     if url:
-        redis.Redis.from_url(url).ping()  # a configured server that does not answer fails the run
+        sync_client(url).ping()  # a configured server that does not answer fails the run
         yield url
         return
     server = ensure_embedded(tmp_path_factory.mktemp("embedded"))
@@ -75,7 +84,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def prefix(redis_url: str) -> Iterator[str]:
     name = f"tlt{uuid.uuid4().hex[:8]}"
     yield name
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     drop_prefix(client, name)
     client.close()
 
@@ -186,7 +195,7 @@ def own_pool(redis_url: str, log_dir: Path, *, tag: str, processes: int = 1, thr
     client = Client(redis_url, prefix=prefix)
     agent = f"agent-{uuid.uuid4().hex[:10]}"
     client.put_agent(AgentConfig.model_validate({"id": agent, "model": "offline:echo"}))
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     try:
         yield OwnPool(pool, client, r, agent)
     finally:
@@ -217,7 +226,7 @@ def isolated(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     yield pool
     for p in pools:
         p.discard()
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     drop_prefix(r, name)
 
 
@@ -268,7 +277,7 @@ async def store(redis_url: str) -> AsyncIterator[Store]:
     """A worker-side store on a key prefix of its own, every key under it removed afterwards."""
     prefix = f"tls{uuid.uuid4().hex[:8]}"
     settings = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url)
-    s = Store(aioredis.Redis.from_url(redis_url), settings, DEFAULT_GRAPH)
+    s = Store(async_plain_client(redis_url), settings, DEFAULT_GRAPH)
     yield s
     async for key in s.redis.scan_iter(f"{prefix}:*", count=1000):
         await s.redis.delete(key)

@@ -34,14 +34,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield started
 
 
-def cluster_url(cluster: Cluster) -> str:
-    """Every node of the cluster, as a deployment names them (a client whose first node is the one
-    killed still finds the cluster)."""
-    return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
-
-
 def pool_on(cluster: Cluster, tmp_path: Path, **env: str) -> WorkerPool:
-    return WorkerPool(cluster_url(cluster), f"tlc{uuid.uuid4().hex[:8]}", tmp_path,
+    return WorkerPool(cluster.every_node_url, f"tlc{uuid.uuid4().hex[:8]}", tmp_path,
                       env={"TL_SHARDS": str(SHARDS), **env})
 
 

@@ -61,6 +61,12 @@ class Cluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0"
 
+    @property
+    def every_node_url(self) -> str:
+        """Threadline's URL of the cluster, naming every node as a deployment does (a client whose
+        first node is down still finds the cluster)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+
     def start(self) -> Cluster:
         for _ in range(self.primaries * (1 + self.replicas)):
             port = _free_port()

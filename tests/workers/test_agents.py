@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from tests.conftest import WorkerPool, turn
 from threadline.pipeline import events as ev
 from threadline.pipeline.errors import AgentNotFound, InvalidRequest
 from threadline.workers.cli.main import main
 from threadline.workers.clients.client import Client
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
 
@@ -303,4 +303,4 @@ def test_agents_keys_are_the_ones_keys_py_names(client: Client) -> None:
                 k.agent_activations(agent), k.agent_drafts(agent), k.agent_draft(agent, "d")}
     found = {key.decode() for key in client.redis.scan_iter(f"{k.agent(agent)}*")}
     assert found == expected
-    assert redis.Redis.from_url(client.url).sismember(k.agents(), agent)
+    assert sync_client(client.url).sismember(k.agents(), agent)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool, drop_prefix
 from tests.support.cli import cli_env, cli_runner
@@ -32,6 +31,7 @@ from threadline.workers.cli import main as cli
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.storage.embedded import ensure_embedded
 
 SETTINGS_SOURCE = ROOT / "workers" / "settings.py"
@@ -45,7 +45,7 @@ def quiet(redis_url: str) -> Iterator[str]:
     with Client(redis_url, prefix=name) as registrar:
         registrar.put_agent("id: a\nmodel: offline:echo\n")
     yield name
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     drop_prefix(r, name)
     r.close()
 
@@ -125,7 +125,7 @@ def test_unknown_turns_and_conversations_exit_3_and_cancel_enqueues_nothing(run:
         assert result.code == 3, (argv, result)
         assert "not found" in result.one_line()
     assert run("cancel", "not a turn id").code == 2
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     # no cancel message, no cancel flag: nothing but the agent the fixture registered
     assert [k for k in r.scan_iter(f"{quiet}:*") if not k.startswith(f"{quiet}:agent".encode())] == []
     r.close()
@@ -227,7 +227,7 @@ def test_ctrl_c_while_following_leaves_the_turn_running_and_says_how_to_cancel_i
 
 
 def test_output_piped_to_a_reader_that_stops_exits_quietly(redis_url: str, quiet: str) -> None:
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     turn_id = f"pipe-{uuid.uuid4().hex[:8]}"
     pipe = r.pipeline(transaction=False)
     for seq in range(1, 3001):  # ~300 KB of JSON lines: more than a pipe holds

@@ -10,7 +10,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-import redis.asyncio as aioredis
 
 from tests.support.dump import Dump, dump
 from tests.support.script_driver import LAST, MODEL, make_turn
@@ -18,6 +17,7 @@ from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
+from threadline.workers.storage.connect import async_plain_client
 from threadline.workers.storage.conversations import DeleteResult, delete_result, deletion
 from threadline.workers.storage.store import Store
 
@@ -32,7 +32,7 @@ async def stores(redis_url: str) -> AsyncIterator[StoreFactory]:
     def make(retention_days: float = 1.0) -> Store:
         settings = dataclasses.replace(Settings.from_env({}), prefix=f"tld{uuid.uuid4().hex[:8]}",
                                        redis_url=redis_url, retention_days=retention_days)
-        made.append(Store(aioredis.Redis.from_url(redis_url), settings, DEFAULT_GRAPH))
+        made.append(Store(async_plain_client(redis_url), settings, DEFAULT_GRAPH))
         return made[-1]
 
     yield make

@@ -23,6 +23,7 @@ from tests.support.wait import wait_until
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.worker.broker import DoorbellBroker
 
 pytestmark = pytest.mark.integration
@@ -37,7 +38,7 @@ def settings(redis_url: str) -> Settings:
 
 @pytest.fixture
 def r(redis_url: str, settings: Settings) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     yield client
     drop_prefix(client, settings.prefix)
     client.close()

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
@@ -19,6 +18,7 @@ from threadline.workers.gateway.app import create_app
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import create_key
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 def gateway(redis_url: str) -> Iterator[tuple[Any, str]]:
     prefix = f"tlg{uuid.uuid4().hex[:8]}"
     app = create_app(dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url), redis_url)
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     key = create_key(r, Keys(prefix), "tenant-s", admin=True)
     yield app, key
     drop_prefix(r, prefix)

@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from tests.conftest import WorkerPool, drop_prefix
 from tests.support.gateway import gateway_connection_ids, gateway_connections, running_gateway
@@ -26,6 +25,7 @@ from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import KeyRing, Limits
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +93,7 @@ async def test_healthz_and_other_tenants_answer_while_many_streams_are_open(fron
     crowd_key = front.key(crowd, rps=0, streams=STREAMS)
     other_key = front.key(f"to{uuid.uuid4().hex[:6]}")
     turns = [front.open_turn(crowd) for _ in range(STREAMS)]
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     async with unlimited(front.base) as http, contextlib.AsyncExitStack() as stack:
         streams = await open_streams(http, crowd_key, turns, stack)
         assert [s.status_code for s in streams] == [200] * STREAMS

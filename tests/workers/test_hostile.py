@@ -49,6 +49,7 @@ from threadline.workers.gateway.tenancy import inside
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import create_key
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
 
@@ -286,7 +287,7 @@ def hostile(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     prefix = f"tlh{uuid.uuid4().hex[:8]}"
     pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs"), env={"TL_MAX_RETRIES": "1"})
     client = Client(redis_url, prefix=prefix)
-    r = redis.Redis.from_url(redis_url, encoding_errors="surrogateescape")
+    r = sync_client(redis_url, encoding_errors="surrogateescape")
     gateway = running_gateway(dataclasses.replace(Settings.from_env({"TL_MAX_QUERY_CHARS": str(MAX_QUERY_CHARS)}),
                                                   prefix=prefix, redis_url=redis_url), redis_url)
     try:

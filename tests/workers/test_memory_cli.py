@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from tests.conftest import drop_prefix
 from tests.support.cli import cli_env, cli_runner
@@ -27,13 +26,14 @@ from threadline.pipeline.memory import MemoryRecord, Provenance, Scope
 from threadline.workers.clients.async_client import AsyncClient
 from threadline.workers.clients.client import Client
 from threadline.workers.clients.common import MemoryNotFound
+from threadline.workers.storage.connect import sync_client
 
 
 @pytest.fixture
 def own(redis_url: str) -> Iterator[str]:
     name = f"tlmc{uuid.uuid4().hex[:8]}"
     yield name
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     drop_prefix(r, name)
     r.close()
 

@@ -10,14 +10,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import redis
-import redis.asyncio as aioredis
 
 from threadline.pipeline.consolidation import Consolidation, apply_user_edit, consolidate, forget
 from threadline.pipeline.extraction import Proposal
 from threadline.pipeline.memory import MemoryRecord, Provenance, Scope, record_to_json
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.wire import build_message
+from threadline.workers.storage.connect import async_plain_client, sync_client
 from threadline.workers.storage.memory import (
     MemoryStore,
     PendingTurn,
@@ -39,7 +38,7 @@ OTHER = Scope("t1", "u2")
 @pytest.fixture
 async def mem(redis_url: str) -> AsyncIterator[MemoryStore]:
     prefix = f"tlm{uuid.uuid4().hex[:8]}"
-    client = aioredis.Redis.from_url(redis_url)
+    client = async_plain_client(redis_url)
     yield MemoryStore(client, Keys(prefix))
     async for key in client.scan_iter(f"{prefix}:*", count=1000):
         await client.delete(key)
@@ -49,7 +48,7 @@ async def mem(redis_url: str) -> AsyncIterator[MemoryStore]:
 @pytest.fixture
 def sync_mem(redis_url: str) -> Iterator[SyncMemoryStore]:
     prefix = f"tlm{uuid.uuid4().hex[:8]}"
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     yield SyncMemoryStore(client, Keys(prefix))
     for key in client.scan_iter(f"{prefix}:*", count=1000):
         client.delete(key)

@@ -41,6 +41,7 @@ from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.names import queues
 from threadline.workers.settings import DEFAULT_METRICS_PORT, Settings
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
 
@@ -114,7 +115,7 @@ def served(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     process = supervisor(redis_url, prefix, port, log, "--processes", "2", "--threads", "4",
                          "--queues", *served_queues)
     client = Client(redis_url, prefix=prefix)
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     try:
         ready = poll(lambda: get(port, "/healthz")[0] == 200 or process.poll() is not None, timeout_s=40,
                      interval_s=0.1)

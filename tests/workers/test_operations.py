@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from tests.conftest import OwnPool, drop_prefix, own_pool, turn
 from tests.support.turns import raw_message
@@ -24,6 +23,7 @@ from threadline.workers.cli import main as cli
 from threadline.workers.operations.status import Operations
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import queues
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
 
@@ -214,7 +214,7 @@ def test_workers_alive_and_queue_consumers_come_from_the_heartbeat_keys(redis_ur
     """A process counts while its heartbeat key lives (it expires `TL_WORKER_TIMEOUT_S` after the
     last renewal): a registry entry the watchdog has not reaped yet is not a consumer."""
     keys = Keys(f"tlw{uuid.uuid4().hex[:8]}")
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     try:
         r.hset(keys.workers(), mapping={"w-fast": "b1", "w-invoke": "b2", "w-dead": "b3", "w-fading": "b4"})
         r.set(keys.worker("w-fast"), json.dumps({"pid": 11, "host": "h", "queues": ["control", "resolve"],

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import redis
 from redis.crc import key_slot
 
 from tests.conftest import ROOT, WorkerPool, turn
@@ -24,6 +23,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def test_turns_of_many_conversations_keep_their_keys_in_their_shard(isolated: Ca
         assert isinstance(client.wait(turn_id, timeout_s=60), ev.Succeeded)
     assert [len(client.thread(c)) for c in conversations] == [2] * len(conversations)  # a row per turn
 
-    r = redis.Redis.from_url(pool.url)
+    r = sync_client(pool.url)
     assert Counter(layout.shard_of(c) for c in conversations) == dict.fromkeys(range(SHARDS), 3)
     for turn_id, cid in [*zip(firsts, conversations, strict=True), *zip(seconds, conversations, strict=True)]:
         k = layout.of_conversation(cid)

@@ -14,7 +14,6 @@ from typing import Any
 
 import dramatiq
 import pytest
-import redis
 from dramatiq.message import Message
 from dramatiq.middleware import CurrentMessage, Retries
 from prometheus_client import REGISTRY
@@ -25,6 +24,7 @@ from tests.support.wait import poll, wait_until
 from threadline.workers.protocol.keys import UnboundShard
 from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.worker.broker import DoorbellBroker, DoorbellConsumer
 
 pytestmark = pytest.mark.integration
@@ -274,7 +274,7 @@ def test_orphans_of_a_shard_are_requeued_onto_that_shard(broker: DoorbellBroker)
 
 
 def test_a_ring_names_its_shards_channel(broker: DoorbellBroker, redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     pubsub = client.pubsub()
     pubsub.subscribe(broker.keys.on(1).doorbell_channel())
     wait_until(lambda: pubsub.get_message(timeout=0.1) is not None, timeout_s=5)  # the subscribe reply

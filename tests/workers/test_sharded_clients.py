@@ -33,6 +33,7 @@ from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import KeyRing
+from threadline.workers.storage.connect import sync_client
 
 SHARDS = 4
 
@@ -43,7 +44,7 @@ def fresh(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.delenv("TL_SHARDS", raising=False)
     name = f"tlsh{uuid.uuid4().hex[:8]}"
     yield name
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     drop_prefix(r, name)
     r.close()
 

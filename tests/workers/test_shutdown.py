@@ -10,7 +10,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
 from tests.support.clocks import stamped
@@ -20,6 +19,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, Stage, StageInput, StageOutput
 from threadline.workers.clients.client import Client
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.worker.process import Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -132,7 +132,7 @@ def test_stopping_workers_put_back_what_they_fetched_and_say_goodbye(redis_url: 
     timeout) and no message in its ack sets."""
     prefix = f"tlg{uuid.uuid4().hex[:8]}"
     pool = WorkerPool(redis_url, prefix, tmp_path).start(processes=1)
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     try:
         wait_until(lambda: bool(list(r.scan_iter(f"{prefix}:worker:*"))), timeout_s=10)  # its first heartbeat
         pool.stop()

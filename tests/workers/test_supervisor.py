@@ -15,7 +15,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests.conftest import ROOT, WorkerPool, turn
 from tests.support.restartable import Restartable
@@ -23,6 +22,7 @@ from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.worker.process import Supervisor, restart_delay_s
 from threadline.workers.worker.reachability import Reachability
 
@@ -53,7 +53,7 @@ def test_a_dead_worker_process_is_replaced_and_stop_leaves_none(redis_url: str) 
         stop.set()
         watcher.join(timeout=5)
         supervisor.stop()
-        r = redis.Redis.from_url(redis_url)
+        r = sync_client(redis_url)
         for key in r.scan_iter(f"{prefix}:*"):
             r.delete(key)
     assert all(child.poll() is not None for child in supervisor.children)

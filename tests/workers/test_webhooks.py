@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.cli import cli_env, cli_runner
@@ -38,6 +37,7 @@ from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import WEBHOOK_ACTOR, WEBHOOK_QUEUE
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import KeyRing
+from threadline.workers.storage.connect import sync_client
 from threadline.workers.storage.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,7 +237,7 @@ def test_private_hosts_are_refused_by_default_and_the_turn_still_succeeds(
 def test_an_invalid_webhook_url_is_refused_at_submit_and_nothing_is_written(
         client: Client, make_agent: AgentFactory, prefix: str, redis_url: str) -> None:
     agent = make_agent()
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     before = sorted(r.scan_iter(f"{prefix}:*", count=1000))
     with pytest.raises(InvalidRequest) as refused:
         client.start(turn(agent, "hello", turn_id=f"bad-hook-{uuid.uuid4().hex[:8]}",
