@@ -1,6 +1,8 @@
 """A real Redis Cluster on this machine, for the tests that need one: `primaries` primaries, each with
 `replicas` replicas, started with `redis-server --cluster-enabled yes` on free ports and joined with
-`redis-cli --cluster create` (both ship with Redis 7). Nothing is persisted; `stop` removes it all.
+`redis-cli --cluster create` (both ship with Redis 7). Nothing is persisted unless `persist` (an
+append-only file fsynced at every write: a node stopped by `stop_node` and started again by
+`start_node` comes back with its data); `stop` removes it all.
 
     with Cluster(tmp_path) as cluster:
         client = redis.RedisCluster.from_url(cluster.url)
@@ -9,6 +11,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -33,6 +36,8 @@ def _free_port() -> int:
 class Node:
     port: int
     proc: subprocess.Popen[bytes]
+    #: The `redis-server` command line it was started with (`Cluster.start_node` runs it again).
+    command: list[str] = field(default_factory=list)
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, socket_timeout=5)
@@ -51,6 +56,8 @@ class Cluster:
     replicas: int = 1
     #: How long a silent primary stays a primary before its replica takes over (ms).
     node_timeout_ms: int = 1_000
+    #: Each node keeps an append-only file fsynced at every write (`--appendfsync always`).
+    persist: bool = False
     nodes: list[Node] = field(default_factory=list)
 
     @staticmethod
@@ -68,16 +75,15 @@ class Cluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
 
     def start(self) -> Cluster:
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
         for _ in range(self.primaries * (1 + self.replicas)):
             port = _free_port()
             home = self.workdir / str(port)
             home.mkdir(parents=True)
-            proc = subprocess.Popen(
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
-                 "--save", "", "--appendonly", "no", "--dir", str(home)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self.nodes.append(Node(port, proc))
+            command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                       "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+                       "--save", "", *persistence, "--dir", str(home)]
+            self.nodes.append(Node(port, _launch(command), command))
         for node in self.nodes:
             _wait(lambda n=node: _pings(n.port), f"node {node.port} answers")
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
@@ -103,6 +109,27 @@ class Cluster:
         """SIGKILL one node (a primary dies with whatever it had not replicated yet)."""
         node.proc.kill()
         node.proc.wait(timeout=10)
+
+    def stop_node(self, node: Node, timeout_s: float = 30) -> None:
+        """Stop one node gracefully (SIGTERM: it flushes its append-only file and saves its cluster
+        config); the others see it fail after `node_timeout_ms`, and a replica of a primary may take over."""
+        node.proc.send_signal(signal.SIGTERM)
+        node.proc.wait(timeout=timeout_s)
+
+    def start_node(self, node: Node, timeout_s: float = 30) -> None:
+        """Start a stopped node again with the same command (port, directory, cluster config), until
+        it serves: its data loaded and the cluster ok in its view (a primary that rejoins waits a
+        moment before it serves; one whose replica took over meanwhile rejoins as a replica)."""
+        assert not node.alive(), f"node {node.port} is running"
+        node.proc = _launch(node.command)
+
+        def serving() -> bool:
+            try:
+                return _state_ok(node.client().cluster("INFO"))
+            except redis.RedisError:
+                return False
+
+        _wait(serving, f"node {node.port} serves again", timeout_s)
 
     def wait_failover(self, killed: Node, timeout_s: float = 30) -> None:
         """Until a replica of the killed primary serves its slots and the cluster is ok again."""
@@ -132,6 +159,10 @@ class Cluster:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _launch(command: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _state_ok(info: object) -> bool:
