@@ -5,6 +5,9 @@ thread holds its turns once and in submission order, no message row is duplicate
 once per turn, every conversation's next turn succeeds, and no turn running at the restart waits out
 the stall time (`TL_STALL_S`). It prints the figures docs/reliability.md quotes.
 
+`TL_TEST_CLUSTER=3` runs it on a Redis Cluster of 3 primaries with a replica each (`servers.py`;
+the sharded layout): the restart then stops the primary serving a running turn's record.
+
 Not part of the default test command (`-m "not chaos"` in pytest's addopts); `.ci/run` runs it alone:
 `.venv/bin/python -m pytest -m chaos -n 0 -p no:randomly tests/chaos`. `CHAOS_SEED` replays a run's
 plan (the seed is printed with the figures).
@@ -28,8 +31,8 @@ import pytest
 import redis
 
 from tests.chaos import figures as fig
+from tests.chaos.servers import ChaosServer, chaos_server
 from tests.conftest import WorkerPool, turn
-from tests.support.restartable import Restartable
 from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -38,6 +41,7 @@ from threadline.workers.clients.client import Client
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.schema import text
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
 
@@ -69,7 +73,11 @@ NEXT_TURNS_S = 30.0
 CHAOS_ENV: dict[str, str] = {}
 TENANT = "chaos"
 AGENT = "chaos-chat"
-DISCONNECTED = (redis.ConnectionError, redis.TimeoutError)
+#: What a call meets while the server is away; on a cluster, also while a replica takes over a
+#: stopped primary's slots (redis-py's cluster client raises these once its own retries are spent).
+DISCONNECTED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
+                redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                redis.exceptions.SlotNotCoveredError)
 
 
 def retrying(call: Callable[[], T], *, timeout_s: float = 30.0) -> T:
@@ -94,11 +102,12 @@ class Chaos(threading.Thread):
     """Runs the plan (kills and the restart, at their offsets from `t0`) one action after another, on a
     connection of its own; the test reads what it did from `kills` and `restart`."""
 
-    def __init__(self, *, pool: WorkerPool, server: Restartable, turn_ids: list[str], plan: list[tuple[float, Action]],
-                 rng: random.Random) -> None:
+    def __init__(self, *, pool: WorkerPool, server: ChaosServer, keys_of: Callable[[str], Keys], turn_ids: list[str],
+                 plan: list[tuple[float, Action]], rng: random.Random) -> None:
         super().__init__(name="chaos", daemon=True)
         self.pool, self.server, self.turn_ids, self.plan, self.rng = pool, server, turn_ids, plan, rng
-        self.keys = Keys(pool.prefix)
+        #: A turn's keys (bound to its shard in the sharded layout): `turn_keys` of the test's client.
+        self.keys_of = keys_of
         self.kills: list[fig.Kill] = []
         self.restart: fig.Restart | None = None
         self.error: BaseException | None = None
@@ -121,7 +130,7 @@ class Chaos(threading.Thread):
         ids = list(self.turn_ids)
         pipe = r.pipeline(transaction=False)
         for turn_id in ids:
-            pipe.get(self.keys.model_claim(turn_id))
+            pipe.get(self.keys_of(turn_id).model_claim(turn_id))
         return {t: int(text(v).rsplit(":", 2)[1]) for t, v in zip(ids, pipe.execute(), strict=True) if v}
 
     def busy(self, r: redis.Redis) -> list[subprocess.Popen[bytes]]:
@@ -134,7 +143,7 @@ class Chaos(threading.Thread):
         `BUSY_WAIT_S` for one: late in the run most turns may have ended), and start its replacement
         at once. The turns it held are those whose claim still names it after its death (a claim
         outlives its holder by up to `TL_INVOKE_LEASE_S`)."""
-        r = redis.Redis.from_url(self.server.url)
+        r = sync_client(self.server.url)
         try:
             busy = poll(lambda: self.busy(r), timeout_s=BUSY_WAIT_S, interval_s=0.05)
             victim = self.rng.choice(busy or self.pool.procs)
@@ -143,7 +152,8 @@ class Chaos(threading.Thread):
             victim.wait()
             held = [t for t, pid in retrying(lambda: self.claims(r)).items() if pid == victim.pid]
             self.kills.append(fig.Kill(at=at, pid=victim.pid,
-                                       held={t: retrying(partial(last_entry, r, self.keys, t)) for t in held}))
+                                       held={t: retrying(partial(last_entry, r, self.keys_of(t), t))
+                                             for t in held}))
         finally:
             r.close()
         self.pool.procs.remove(victim)
@@ -153,18 +163,20 @@ class Chaos(threading.Thread):
         ids = list(self.turn_ids)
         pipe = r.pipeline(transaction=False)
         for turn_id in ids:
-            pipe.hget(self.keys.turn(turn_id), "status")
+            pipe.hget(self.keys_of(turn_id).turn(turn_id), "status")
         return [t for t, s in zip(ids, pipe.execute(), strict=True) if s == b"running"]
 
     def restart_server(self) -> None:
         """Once turns are running (waiting up to `BUSY_WAIT_S`), stop the server (gracefully: its
         append-only file is fsynced at every write), leave it down for a moment, start it again on
-        the same port and data."""
-        r = redis.Redis.from_url(self.server.url)
+        the same port and data. On a cluster, the server is the primary serving the first running
+        turn's record."""
+        r = sync_client(self.server.url)
         running = poll(lambda: self.running(r), timeout_s=BUSY_WAIT_S, interval_s=0.05)
         r.close()
+        near = self.keys_of(running[0]).turn(running[0]) if running else None
         stopped_at = time.time()
-        self.server.stop()
+        self.server.stop(near_key=near)
         time.sleep(SERVER_DOWN_S)
         self.server.start()
         self.restart = fig.Restart(stopped_at=stopped_at, started_at=time.time(), running=running)
@@ -205,16 +217,23 @@ def wait_ended(client: Client, turn_ids: list[str], timeout_s: float) -> None:
     def ended() -> bool:
         pipe = client.redis.pipeline(transaction=False)
         for turn_id in turn_ids:
-            pipe.hget(client.keys.turn(turn_id), "status")
+            pipe.hget(bound(client, turn_id).turn(turn_id), "status")
         return all(s is not None and text(s) in ev.TERMINAL_TYPES for s in pipe.execute())
 
     poll(lambda: retrying(ended), timeout_s=timeout_s, interval_s=0.25)
 
 
+def bound(client: Client, turn_id: str) -> Keys:
+    """The keys of a turn this client submitted (bound to its shard in the sharded layout)."""
+    keys = client.turn_keys(turn_id)
+    assert keys is not None, f"turn {turn_id} is unknown"
+    return keys
+
+
 def read_events(client: Client, turn_ids: list[str]) -> dict[str, list[fig.Stamped]]:
     found: dict[str, list[fig.Stamped]] = {}
     for turn_id in turn_ids:
-        entries: Any = client.redis.xrange(client.keys.events(turn_id))
+        entries: Any = client.redis.xrange(bound(client, turn_id).events(turn_id))
         found[turn_id] = [fig.Stamped(fig.entry(text(i)), ev.decode(f[b"json"])) for i, f in entries]
     return found
 
@@ -229,7 +248,12 @@ def answers(events: dict[str, list[fig.Stamped]]) -> dict[str, str]:
 
 
 def usage_counters(client: Client) -> dict[str, int]:
-    return {text(k): int(v) for k, v in client.redis.hgetall(client.keys.usage(TENANT)).items()}
+    """The tenant's usage counters, summed over the shards (each has a usage hash of its own)."""
+    counted: dict[str, int] = {}
+    for shard in client.keys.every_shard():
+        for k, v in client.redis.hgetall(shard.usage(TENANT)).items():
+            counted[text(k)] = counted.get(text(k), 0) + int(v)
+    return counted
 
 
 def next_turns(client: Client, conversations: list[fig.Conversation]) -> list[ev.Terminal | None]:
@@ -249,8 +273,17 @@ def next_turns(client: Client, conversations: list[fig.Conversation]) -> list[ev
 
 
 @pytest.fixture
-def pool(restartable: Restartable, tmp_path: Path) -> Iterator[WorkerPool]:
-    p = WorkerPool(restartable.url, f"tlx{uuid.uuid4().hex[:6]}", tmp_path, env=CHAOS_ENV)
+def server(tmp_path: Path) -> Iterator[ChaosServer]:
+    """The test's own persisted server, started: one Valkey, or a cluster with `TL_TEST_CLUSTER`."""
+    started = chaos_server(tmp_path)
+    started.start()
+    yield started
+    started.close()
+
+
+@pytest.fixture
+def pool(server: ChaosServer, tmp_path: Path) -> Iterator[WorkerPool]:
+    p = WorkerPool(server.url, f"tlx{uuid.uuid4().hex[:6]}", tmp_path, env={**CHAOS_ENV, **server.env})
     yield p.start(processes=WORKERS)
     p.stop()
 
@@ -288,15 +321,16 @@ def measure(client: Client, pool: WorkerPool, chaos: Chaos, conversations: list[
     return figures
 
 
-def test_turns_survive_worker_kills_and_a_server_restart(restartable: Restartable, pool: WorkerPool,
+def test_turns_survive_worker_kills_and_a_server_restart(server: ChaosServer, pool: WorkerPool,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(1 << 32))
     rng = random.Random(seed)
-    client = Client(restartable.url, prefix=pool.prefix)
+    client = Client(server.url, prefix=pool.prefix, shards=Settings.from_env(pool.env).shards)
     client.put_agent(AgentConfig.model_validate(
         {"id": AGENT, "model": {"provider": "offline", "name": "chat", "options": {"delay_ms": WORD_DELAY_MS}}}))
     conversations, turn_ids = new_conversations(), list[str]()
-    chaos = Chaos(pool=pool, server=restartable, turn_ids=turn_ids, plan=chaos_plan(rng), rng=rng)
+    chaos = Chaos(pool=pool, server=server, keys_of=partial(bound, client), turn_ids=turn_ids, plan=chaos_plan(rng),
+                  rng=rng)
     started = time.monotonic()
     chaos.start()
     submit_waves(client, conversations, turn_ids, rng)
@@ -305,7 +339,7 @@ def test_turns_survive_worker_kills_and_a_server_restart(restartable: Restartabl
     if chaos.error is not None:
         raise chaos.error
     wait_ended(client, turn_ids, SETTLE_S)
-    figures = {"seed": seed, "settings": recovery_settings(pool), "turns": len(turn_ids),
+    figures = {"seed": seed, "server": server.describe(), "settings": recovery_settings(pool), "turns": len(turn_ids),
                "run_s": round(time.monotonic() - started, 1), **measure(client, pool, chaos, conversations, turn_ids)}
     client.close()
     with capsys.disabled():
