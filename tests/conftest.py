@@ -39,6 +39,18 @@ hypothesis_settings.load_profile("threadline")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def sharded_run() -> bool:
+    """The session runs in the sharded layout (on a cluster it starts, or with TL_SHARDS set)."""
+    return bool(int(os.environ.get("TL_TEST_CLUSTER") or 0) or int(os.environ.get("TL_SHARDS") or 0))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("one_server")
+    if marker is not None and sharded_run():
+        reason = marker.args[0] if marker.args else "one server's key layout"
+        pytest.skip(f"one server's layout only: {reason}")
+
+
 def liveness_key(key: str, prefix: str) -> bool:
     """The worker processes' own heartbeats (`Keys.worker`, `worker_turns`, `workers`): rewritten every
     few seconds whatever a test does, so never part of a before/after comparison."""

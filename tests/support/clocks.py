@@ -5,6 +5,7 @@ to look, which on a loaded machine can be seconds."""
 
 from __future__ import annotations
 
+from tests.support.turns import keys_of
 from threadline.pipeline import events as ev
 from threadline.workers.clients.client import Client
 
@@ -21,7 +22,7 @@ def stamped(client: Client, turn_id: str) -> list[tuple[float, ev.Event]]:
 
 def turn_times(client: Client, turn_id: str) -> dict[str, float]:
     """The turn hash's recorded times (`admitted_at`, `cancel_requested_at`, `finished_at`, ...)."""
-    fields = client.redis.hgetall(client.keys.turn(turn_id))
+    fields = client.redis.hgetall(keys_of(client, turn_id).turn(turn_id))
     return {k.decode(): float(v) for k, v in fields.items() if k.decode().endswith("_at") and v}
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from threadline.pipeline import events as ev
 from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.workers.clients.client import Client
+from threadline.workers.protocol.keys import Keys
 
 
 def python_model(factory: str, **options: Any) -> dict[str, Any]:
@@ -43,11 +44,16 @@ def assert_one_terminal(client: Client, turn_id: str) -> ev.Terminal:
     return terminals[0]
 
 
-def holder_pid(client: Client, turn_id: str) -> int:
-    """The pid of the worker process running the turn's stage now (its worker id is host:pid:tag)."""
+def keys_of(client: Client, turn_id: str) -> Keys:
+    """The keys of the turn's shard (the sharded layout's need it; one server's are `client.keys`)."""
     keys = client.turn_keys(turn_id)
     assert keys is not None, f"no turn {turn_id}"
-    holder = client.redis.hget(keys.turn(turn_id), "holder")
+    return keys
+
+
+def holder_pid(client: Client, turn_id: str) -> int:
+    """The pid of the worker process running the turn's stage now (its worker id is host:pid:tag)."""
+    holder = client.redis.hget(keys_of(client, turn_id).turn(turn_id), "holder")
     assert holder is not None, "nobody holds the turn"
     return int(holder.decode().split(":")[-2])
 

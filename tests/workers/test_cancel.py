@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import AgentFactory, WorkerPool, turn
-from tests.support.turns import assert_one_terminal, python_model, records, wait_for_event
+from tests.support.turns import assert_one_terminal, keys_of, python_model, records, wait_for_event
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -27,7 +27,7 @@ def served_unacked(client: Client, queue: str) -> bool:
 
 
 def flag_raised(client: Client, turn_id: str) -> Callable[[], bool]:
-    return lambda: bool(client.redis.exists(client.keys.cancel_flag(turn_id)))
+    return lambda: bool(client.redis.exists(keys_of(client, turn_id).cancel_flag(turn_id)))
 
 
 def test_cancel_before_the_turn_is_enqueued_wins(workers: WorkerPool, client: Client, make_agent: AgentFactory,
@@ -95,7 +95,7 @@ def test_cancel_after_the_end_is_a_noop(workers: WorkerPool, client: Client, mak
     mid = client.enqueue("control", "cancel", (terminal.turn_id, "late"))
     wait_until(lambda: not client.redis.hexists(client.keys.queue_messages("control"), mid))
     assert list(client.events(terminal.turn_id)) == before
-    assert not client.redis.exists(client.keys.cancel_flag(terminal.turn_id))
+    assert not client.redis.exists(keys_of(client, terminal.turn_id).cancel_flag(terminal.turn_id))
     assert client.turn_state(terminal.turn_id).status == "succeeded"
     assert client.thread(terminal.conversation_id)[-1].status == "succeeded"
 
@@ -151,7 +151,7 @@ def test_a_missed_notification_is_caught_by_the_flag_poll(
     turn_id = client.submit(turn(agent, "long"))
     try:
         wait_for_event(client, turn_id, "text_delta")
-        client.redis.set(client.keys.cancel_flag(turn_id), "flag only, no broadcast", ex=600)
+        client.redis.set(keys_of(client, turn_id).cancel_flag(turn_id), "flag only, no broadcast", ex=600)
         terminal = client.wait(turn_id, timeout_s=60)
     finally:
         release.touch()

@@ -21,7 +21,7 @@ from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.cli import cli_env, cli_runner
 from tests.support.gateway import running_gateway
 from tests.support.script_driver import make_turn
-from tests.support.turns import assert_gapless, assert_one_terminal, holder_pid, python_model, wait_for_event
+from tests.support.turns import assert_gapless, assert_one_terminal, holder_pid, keys_of, python_model, wait_for_event
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.busy import interrupt_victims
@@ -65,7 +65,7 @@ def long_answer(tmp_path: Path) -> Iterator[LongAnswer]:
 
 def entry_ms(client: Client, turn_id: str, kind: str) -> tuple[int, int]:
     """The stream entry id (server ms, sequence) of the turn's first event of `kind`."""
-    for entry_id, fields in client.redis.xrange(client.keys.events(turn_id)):
+    for entry_id, fields in client.redis.xrange(keys_of(client, turn_id).events(turn_id)):
         if ev.decode(fields[b"json"]).type == kind:
             ms, seq = entry_id.decode().split("-")
             return int(ms), int(seq)
@@ -129,7 +129,7 @@ def check_interrupted(client: Client, cid: str, turns: list[str], *, rollback: b
     for t, by in zip(interrupted, turns[1:], strict=True):
         terminal = client.wait(t, timeout_s=5)
         assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
-        assert client.redis.hget(client.keys.turn(t), "interrupted_by") == by.encode()
+        assert client.redis.hget(keys_of(client, t).turn(t), "interrupted_by") == by.encode()
     assert_in_order(client, turns)
     thread = client.thread(cid)
     if rollback:
@@ -223,8 +223,9 @@ def test_rejected_turns_are_refused_at_once_and_write_nothing(
     results = in_parallel(*(lambda a=a, s=s: rejected_chain(client, a, s, n) for a, s in chains))
     for cid, first, refused in results:
         assert isinstance(client.wait(first, timeout_s=60), ev.Succeeded)
+        k = client.keys.of_conversation(cid)  # a conversation's turns' keys are in its shard
         for t in refused:
-            assert not client.redis.exists(client.keys.turn(t), client.keys.events(t), client.keys.cancel_flag(t))
+            assert not client.redis.exists(k.turn(t), k.events(t), k.cancel_flag(t))
         assert [m.id for m in client.thread(cid)] == [first]
         assert client.redis.zcard(client.keys.turn_queue(cid)) == 0
     for (agent, _), (cid, _, _) in zip(chains, results, strict=True):

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from tests.conftest import AgentFactory, WorkerPool, liveness_key, turn
+from tests.support.turns import keys_of
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import new_conversation_id
@@ -62,10 +63,11 @@ def test_a_turn_crosses_the_five_stages_in_order(workers: WorkerPool, client: Cl
     assert (state.status, state.conversation_id, state.message_id) == ("succeeded", terminal.conversation_id, turn_id)
     # every stage before the finish stage marked itself done (the finish stage's mark is the status)
     assert state.done >= {s.name for s in DEFAULT_GRAPH.turn_stages if s.kind != "finish"} and state.attempt == 1
-    assert client.redis.hget(client.keys.turn(turn_id), "model_starts") == b"1"
+    k = keys_of(client, turn_id)
+    assert client.redis.hget(k.turn(turn_id), "model_starts") == b"1"
     # the turn's artifacts are gone; its record and events stay readable for TL_TURN_TTL_S (6 h)
-    assert not any(client.redis.exists(client.keys.artifact(turn_id, s.name)) for s in DEFAULT_GRAPH.turn_stages)
-    for key in (client.keys.turn(turn_id), client.keys.events(turn_id)):
+    assert not any(client.redis.exists(k.artifact(turn_id, s.name)) for s in DEFAULT_GRAPH.turn_stages)
+    for key in (k.turn(turn_id), k.events(turn_id)):
         assert 6 * 3600 - 60 < client.redis.ttl(key) <= 6 * 3600
 
 

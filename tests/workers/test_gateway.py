@@ -23,6 +23,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import WorkerPool
 from tests.support.gateway import free_port, running_gateway
+from tests.support.turns import keys_of
 from tests.support.wait import wait_until
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.cli.main import run
@@ -126,11 +127,12 @@ def test_events_stream_live_and_resume_after_last_event_id_exactly_once(api: Api
                     break
         # the deltas arrived while the model was still speaking: it stops only when told to
         assert api.client.terminal(turn_id) is None
-        wait_until(lambda: len(api.client.redis.xrange(api.client.keys.events(turn_id))) > len(first) + 2)
+        wait_until(lambda: len(api.client.redis.xrange(keys_of(api.client, turn_id).events(turn_id))) > len(first) + 2)
         until.touch()
         with http.stream("GET", accepted["events_url"], headers={"Last-Event-ID": first[-1]["id"]}) as response:
             rest = list(sse(response))
-    stored = [entry_id.decode() for entry_id, _ in api.client.redis.xrange(api.client.keys.events(turn_id))]
+    events_key = keys_of(api.client, turn_id).events(turn_id)
+    stored = [entry_id.decode() for entry_id, _ in api.client.redis.xrange(events_key)]
     assert [e["id"] for e in first + rest] == stored
     assert [json.loads(e["data"])["seq"] for e in first + rest] == list(range(1, len(stored) + 1))
     assert rest[-1]["event"] == "succeeded"
@@ -198,7 +200,7 @@ def test_a_turn_id_used_again_after_its_record_expired_never_writes_over_its_mes
         assert finish(http, turn_id)["type"] == "succeeded"
         stored = inside(api.tenant_a, turn_id)
         cid = f"c-{stored}"
-        keys = api.client.keys
+        keys = api.client.keys.of_conversation(cid)  # its turns' keys are in its shard
         before = {k: api.client.redis.dump(k) for k in (keys.conversation(cid), keys.messages(cid),
                                                          keys.snapshots(cid), keys.usage(api.tenant_a))}
         api.client.redis.delete(keys.turn(stored), keys.events(stored))  # its record expired

@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import WorkerPool, drop_prefix
 from tests.support.gateway import gateway_connection_ids, gateway_connections, running_gateway
+from tests.support.turns import keys_of
 from tests.support.wait import wait_until
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
@@ -179,7 +180,7 @@ async def test_multiplexed_streams_deliver_every_event_of_live_turns_in_order(wo
                            for t in turns for _ in range(2)]
                 seen = await asyncio.gather(*readers)
                 for index, turn_id in enumerate(turns):
-                    stored = [e.decode() for e, _ in client.redis.xrange(client.keys.events(turn_id))]
+                    stored = [e.decode() for e, _ in client.redis.xrange(keys_of(client, turn_id).events(turn_id))]
                     for events in seen[2 * index: 2 * index + 2]:
                         assert [e["id"] for e in events] == stored
                         assert json.loads(events[-1]["data"])["type"] == "succeeded", events[-1]

@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.strict_server import StrictChatServer, message_text
+from tests.support.turns import keys_of
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import GuardRules
 from threadline.pipeline.contracts import new_conversation_id
@@ -41,7 +42,7 @@ def finish(client: Client, request: dict[str, Any]) -> ev.Terminal:
 
 def raw_events(client: Client, turn_id: str) -> list[str]:
     """The turn's events exactly as stored (one JSON text each)."""
-    return [fields[b"json"].decode() for _, fields in client.redis.xrange(client.keys.events(turn_id))]
+    return [fields[b"json"].decode() for _, fields in client.redis.xrange(keys_of(client, turn_id).events(turn_id))]
 
 
 def stored_values(client: Client, conversation_id: str, turn_id: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
 from tests.support.clocks import stamped
-from tests.support.turns import assert_gapless, holder_pid, python_model, records, wait_for_event
+from tests.support.turns import assert_gapless, holder_pid, keys_of, python_model, records, wait_for_event
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -82,7 +82,7 @@ def test_sigterm_to_the_supervisor_mid_stream_hands_the_turn_to_another_worker_a
         assert len([r for r in records(record) if r["event"] == "request"]) == 2
         log = (tmp_path / "supervisor.log").read_text()
         assert "turn_handed_over" in log and "turns_abandoned" not in log
-        assert client.redis.hget(client.keys.turn(turn_id), "handovers") == b"1"
+        assert client.redis.hget(keys_of(client, turn_id).turn(turn_id), "handovers") == b"1"
     finally:
         supervisor.stop()
         other.stop()
@@ -121,7 +121,7 @@ def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) 
         assert state.status == "running" and "slow" in state.done
         # its hand-over happened: the next stage waits on its queue for any other worker
         assert client.redis.llen(client.keys.queue(SLOW_GRAPH.next("slow").queue)) == 1  # type: ignore[union-attr]
-        assert client.redis.hget(client.keys.turn(turn_id), "holder") is None
+        assert client.redis.hget(keys_of(client, turn_id).turn(turn_id), "holder") is None
     finally:
         drop_prefix(client.redis, worker.prefix)
         client.close()

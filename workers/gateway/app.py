@@ -110,12 +110,10 @@ class Gateway:
     process's one event-stream reader (`pools.py` says which Redis connections each uses)."""
 
     def __init__(self, settings: Settings, url: str) -> None:
-        if is_cluster(url):
-            # its one event-stream reader XREADs every open stream at once: keys of many slots
-            raise ValueError("the gateway does not run on a Redis Cluster yet: point it at one server's URL")
         self.client = Client.from_settings(settings, url)
         self.aclient = AsyncClient.from_settings(settings, url)
-        pools.use_pool(self.aclient.redis, pools.request_pool(settings, url))
+        if not is_cluster(url):  # a cluster client keeps a pool per node
+            pools.use_pool(self.aclient.redis, pools.request_pool(settings, url))
         self.health = pools.health_client(url)
         # rate limits and API keys are global keys, the same in every layout: nothing is read here
         # (a gateway starts while Redis is down, and answers 503 until it is back)

@@ -1,11 +1,12 @@
 """A gateway process's Redis connections, each kind on a pool of its own, sized explicitly.
 
-Requests share one blocking pool of `TL_GATEWAY_POOL` connections: when all are busy a request
-waits for one (up to `TL_GATEWAY_POOL_TIMEOUT_S`, then 503) instead of failing at once or opening
-connections without bound. `/healthz` has two connections nobody else uses, so a load balancer's
+On one server, requests share one blocking pool of `TL_GATEWAY_POOL` connections: when all are busy
+a request waits for one (up to `TL_GATEWAY_POOL_TIMEOUT_S`, then 503) instead of failing at once or
+opening connections without bound. `/healthz` has two connections nobody else uses, so a load balancer's
 probe answers while requests queue. Every event stream of the process shares one more connection
 (`streams.py`). Each connection names itself (`CLIENT SETNAME tl-gateway:<pid>:<kind>`), so
-`CLIENT LIST` shows what a gateway holds.
+`CLIENT LIST` shows what a gateway holds. On a Redis Cluster the requests use the cluster client's
+pool per node (`storage/connect.py`), and the streams one connection per shard with open streams.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from threadline.workers.settings import Settings
+from threadline.workers.storage.connect import async_plain_client, is_cluster
 
 #: `/healthz`'s own connections: probes rarely overlap, and never wait for the request pool.
 HEALTH_CONNECTIONS = 2
@@ -45,7 +47,11 @@ def request_pool(settings: Settings, url: str) -> aioredis.BlockingConnectionPoo
 
 
 def health_client(url: str) -> aioredis.Redis:
-    """`/healthz`'s client: a ping answers within a few seconds, or it is a 503."""
+    """`/healthz`'s client: a ping answers within a few seconds, or it is a 503 (a cluster's: its
+    client's pool per node)."""
+    if is_cluster(url):
+        return async_plain_client(url, client_name=client_name("health"), socket_timeout=2.0,
+                                  socket_connect_timeout=CONNECT_TIMEOUT_S)
     return blocking_client(url, kind="health", size=HEALTH_CONNECTIONS, timeout_s=2.0, socket_timeout=2.0)
 
 

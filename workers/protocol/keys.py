@@ -270,13 +270,14 @@ class Keys:
 
     def rate_bucket(self, limit: str, subject: str) -> str:
         """Hash: one token bucket (`tokens`, `at` ms of server time) of the gateway's rate limits:
-        `limit` is rps, turns or auth; `subject` a key id (or a client address for auth)."""
-        return f"{self.prefix}:ratelimit:{limit}:{subject}"
+        `limit` is rps, turns or auth; `subject` a key id (or a client address for auth). The subject
+        is the hash tag: a request's buckets and its key's stream holds are one slot of a cluster."""
+        return f"{self.prefix}:ratelimit:{{{subject}}}:{limit}"
 
     def stream_holders(self, key_id: str) -> str:
         """Sorted set: the open event streams of an API key, each a token scored by its lease's
         expiry (ms, server time), renewed while the stream is open."""
-        return f"{self.prefix}:ratelimit:streams:{key_id}"
+        return f"{self.prefix}:ratelimit:{{{key_id}}}:streams"
 
     def turn_user(self, turn_id: str) -> str:
         """String: the user a user-scoped API key submitted the turn as (expires with the turn's

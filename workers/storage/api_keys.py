@@ -167,10 +167,12 @@ class KeyRing:
         return key, record
 
     def _store(self, digest: str, record: ApiKey, *also: tuple[str, ApiKey]) -> None:
-        """Write records and their id index at once (MULTI: the id never points at nothing)."""
-        with self.redis.pipeline(transaction=True) as pipe:
+        """Write records, then their id index (in that order, so an id never points at nothing; the
+        two hashes may be on two nodes of a cluster, so no MULTI)."""
+        with self.redis.pipeline(transaction=False) as pipe:
             for d, r in ((digest, record), *also):
                 pipe.hset(self.keys.api_keys(), d, json.dumps(r.record()))
+            for d, r in ((digest, record), *also):
                 pipe.hset(self.keys.api_key_ids(), r.id, d)
             pipe.execute()
 

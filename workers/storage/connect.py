@@ -40,9 +40,8 @@ def cluster_url(url: str) -> str | None:
     nodes = cluster_nodes(url)
     if nodes is None:
         return None
-    scheme, user, nodes_ = nodes
-    host, port = nodes_[0]
-    return urlunsplit((scheme, f"{user}{host}:{port}", "", "", ""))
+    host, port = nodes[2][0]
+    return node_url(url, host, port)
 
 
 def cluster_nodes(url: str) -> tuple[str, str, list[tuple[str, int]]] | None:
@@ -57,6 +56,14 @@ def cluster_nodes(url: str) -> tuple[str, str, list[tuple[str, int]]] | None:
         host, _, port = address.rpartition(":")
         nodes.append((host or address, int(port) if port.isdigit() else 6379))
     return plain, f"{user}@" if user else "", nodes
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """The plain URL of one node of the cluster `url` names (its scheme and credentials)."""
+    nodes = cluster_nodes(url)
+    assert nodes is not None, "not a cluster URL"
+    scheme, user, _ = nodes
+    return urlunsplit((scheme, f"{user}{host}:{port}", "", "", ""))
 
 
 def is_cluster(url: str) -> bool:
