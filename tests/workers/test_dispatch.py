@@ -26,7 +26,9 @@ from threadline.workers.settings import Settings
 from threadline.workers.storage.connect import sync_client
 from threadline.workers.worker.broker import DoorbellBroker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              # stock dramatiq's script builds key names inside Lua: it runs on one server only
+              pytest.mark.one_server("stock dramatiq's RedisBroker on the same keys")]
 
 QUEUE = DEFAULT_GRAPH.stages[1].queue
 

@@ -51,7 +51,10 @@ from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import create_key
 from threadline.workers.storage.connect import sync_client
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              # the audit names every key of one server's layout (allowed writes, dramatiq's bookkeeping,
+              # dead letters by position in one stream); the sharded layout's: test_sharded*.py, test_slots.py
+              pytest.mark.one_server("the catalogue audits one server's keys byte for byte")]
 
 VICTIM_AGENT = "echo"  # literally "echo", so that `echo:v:1` names its stored config's key
 SLOW_AGENT = "slow"

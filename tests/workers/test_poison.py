@@ -19,7 +19,8 @@ from tests.conftest import OwnPool, own_pool, turn
 from tests.support.wait import poll
 from threadline.workers.worker.broker import _parse_message, _Refused
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              pytest.mark.one_server("raw messages written in one MULTI on one server's queue keys")]
 
 #: Text no log line may carry: it stands for user text inside a bad message.
 SENTINEL = "POISON-USER-TEXT-5c1e"

@@ -206,6 +206,7 @@ def test_curl_block_gets_a_202_and_streams_the_turn_to_its_terminal_event(
 
 
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not installed")
+@pytest.mark.one_server("the tour's redis-cli block writes one server's layout (the sharded one: test_raw_producer)")
 def test_redis_cli_block_enqueues_a_turn_whose_first_events_it_reads(
         reader: Reader, cli_run: subprocess.CompletedProcess[str]) -> None:
     run = reader.bash(block("redis-cli"))

@@ -17,6 +17,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.wire import build_message
+from threadline.workers.storage.connect import cluster_url
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +34,7 @@ def readme_block(name: str = "raw-producer") -> str:
 
 
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not installed")
+@pytest.mark.one_server("the commands of one server's layout")
 def test_readme_redis_cli_commands_enqueue_a_turn_that_succeeds(
     workers: WorkerPool, client: Client, make_agent: AgentFactory
 ) -> None:
@@ -42,7 +44,8 @@ def test_readme_redis_cli_commands_enqueue_a_turn_that_succeeds(
 def assert_block_runs_a_turn(block: str, pool: WorkerPool, client: Client, agent: str) -> None:
     """The commands of a block, run as written, enqueue a turn that succeeds."""
     script = readme_block(block) + 'echo "MID=$MID"\n'
-    env = {**os.environ, "REDIS_URL": pool.url, "TL_PREFIX": pool.prefix, "AGENT": agent}
+    # redis-cli takes one node's URL (`-c` follows a cluster's redirections)
+    env = {**os.environ, "REDIS_URL": cluster_url(pool.url) or pool.url, "TL_PREFIX": pool.prefix, "AGENT": agent}
     run = subprocess.run(["bash", "-eu", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     turn_id = re.search(r"^MID=(\S+)$", run.stdout, re.M).group(1)  # type: ignore[union-attr]
