@@ -24,7 +24,7 @@ from tests.support.wait import poll, wait_until
 from threadline.workers.protocol.keys import UnboundShard
 from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.settings import Settings
-from threadline.workers.storage.connect import sync_client
+from threadline.workers.storage.connect import nodes_serving, sync_client
 from threadline.workers.worker.broker import DoorbellBroker, DoorbellConsumer
 
 pytestmark = pytest.mark.integration
@@ -273,15 +273,18 @@ def test_orphans_of_a_shard_are_requeued_onto_that_shard(broker: DoorbellBroker)
     assert again is not None and again.options["redis_message_id"] == orphan and again.options[SHARD_OPTION] == 3
 
 
-def test_a_ring_names_its_shards_channel(broker: DoorbellBroker, redis_url: str) -> None:
-    client = sync_client(redis_url)
+def test_a_ring_names_its_shards_channel_on_sharded_pub_sub(broker: DoorbellBroker, redis_url: str) -> None:
+    channel = broker.keys.on(1).doorbell_channel()
+    # a shard channel is heard on the node serving its slot (on one server: the server)
+    [node] = nodes_serving(redis_url, [channel])
+    client = sync_client(node)
     pubsub = client.pubsub()
-    pubsub.subscribe(broker.keys.on(1).doorbell_channel())
+    pubsub.ssubscribe(channel)
     wait_until(lambda: pubsub.get_message(timeout=0.1) is not None, timeout_s=5)  # the subscribe reply
     broker.ring(QUEUE, 3)  # another shard's channel: not heard here
     broker.ring(QUEUE, 1)
     message = poll(lambda: pubsub.get_message(timeout=0.1), timeout_s=5)
-    assert message is not None and message["data"] == QUEUE.encode()
+    assert message is not None and message["data"] == QUEUE.encode() and message["type"] == "smessage"
     assert message["channel"] == broker.keys.on(1).doorbell_channel().encode()
     pubsub.close()
     client.close()

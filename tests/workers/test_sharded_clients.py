@@ -33,7 +33,7 @@ from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import CONTROL_QUEUE
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import KeyRing
-from threadline.workers.storage.connect import sync_client
+from threadline.workers.storage.connect import nodes_serving, sync_client
 
 SHARDS = 4
 
@@ -98,6 +98,7 @@ def test_the_first_producer_with_a_count_writes_the_layout_and_later_ones_use_it
     assert asyncio.run(from_async()) == SHARDS
 
 
+@pytest.mark.one_server("a client without TL_SHARDS, where one server's layout is allowed")
 def test_a_producer_of_one_server_layout_writes_nothing(redis_url: str, fresh: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     with Client(redis_url, prefix=fresh) as client:
@@ -118,8 +119,10 @@ def test_a_submit_goes_onto_its_conversations_shard_with_its_pointer_and_doorbel
     bound = layout.of_conversation(cid)
     first = next(t for t in iter(lambda: uuid.uuid4().hex, "")
                  if layout.shard_of(new_conversation_id(t)) != bound.shard)
-    bell = sharded.redis.pubsub(ignore_subscribe_messages=True)
-    bell.subscribe(bound.doorbell_channel())
+    [node] = nodes_serving(redis_url, [bound.doorbell_channel()])  # a shard channel is heard on its node
+    listener = sync_client(node)
+    bell = listener.pubsub(ignore_subscribe_messages=True)
+    bell.ssubscribe(bound.doorbell_channel())
     try:
         follow_up = sharded.submit(turn("bot", "hi", conversation_id=cid))
         new = sharded.submit(turn("bot", "a first turn", turn_id=first))
@@ -140,6 +143,7 @@ def test_a_submit_goes_onto_its_conversations_shard_with_its_pointer_and_doorbel
         assert message["data"] == ADMIT_QUEUE.encode(), "the doorbell rings the canonical queue name"
     finally:
         bell.close()
+        listener.close()
 
 
 def test_a_cancel_goes_onto_the_turns_shard_and_an_unknown_turn_is_no_cancel(sharded: Client) -> None:

@@ -11,6 +11,7 @@ is one code path.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -64,6 +65,22 @@ def node_url(url: str, host: str, port: int) -> str:
     assert nodes is not None, "not a cluster URL"
     scheme, user, _ = nodes
     return urlunsplit((scheme, f"{user}{host}:{port}", "", "", ""))
+
+
+def nodes_serving(url: str, keys: Iterable[str]) -> dict[str, list[str]]:
+    """The plain URL of each node serving some of `keys`' slots, with those keys (one server's URL:
+    itself, with all of them). A shard channel (`SSUBSCRIBE`) is heard on its slot's node only."""
+    if not is_cluster(url):
+        return {url: list(keys)}
+    client = cast(Any, sync_client(url))
+    try:
+        found: dict[str, list[str]] = {}
+        for key in keys:
+            node = client.get_node_from_key(key)
+            found.setdefault(node_url(url, node.host, node.port), []).append(key)
+        return found
+    finally:
+        client.close()
 
 
 def is_cluster(url: str) -> bool:

@@ -313,13 +313,15 @@ class DoorbellBroker(RedisBroker):
     def ring(self, queue_name: str, shard: Shard = None) -> None:
         """Tell every worker that `queue_name` of `shard` has messages (ones put back without an
         enqueue); the sharded layout's without a shard: every shard's (one round trip)."""
-        if shard is not None or not self.keys.shards:
-            self.client.publish(self.keys.on(shard).doorbell_channel(), queue_name)
-            return
-        with self.client.pipeline(transaction=False) as pipe:
-            for keys in self.keys.every_shard():
-                pipe.publish(keys.doorbell_channel(), queue_name)
-            pipe.execute()
+        if not self.keys.shards:
+            self.client.publish(self.keys.doorbell_channel(), queue_name)
+        elif shard is not None:  # a shard's channel: sharded pub/sub (prelude.lua's `ring`)
+            self.client.spublish(self.keys.on(shard).doorbell_channel(), queue_name)
+        else:
+            with self.client.pipeline(transaction=False) as pipe:
+                for keys in self.keys.every_shard():
+                    pipe.spublish(keys.doorbell_channel(), queue_name)
+                pipe.execute()
 
     def before_shutdown(self) -> None:
         """Stop fetching, and wake every idle consumer so that a stopping worker does not wait out

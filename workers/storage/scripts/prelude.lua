@@ -24,11 +24,22 @@ local function append_events(events, seq, list)
   return seq + #list
 end
 
+-- Ring a doorbell: a shard's channel (the sharded layout's, named with its shard's hash tag, in the
+-- calling script's slot) on sharded pub/sub, which a cluster delivers on that slot's node only;
+-- one server's layout's plain channel with PUBLISH.
+local function ring(channel, queue)
+  if string.find(channel, '{', 1, true) then
+    redis.call('SPUBLISH', channel, queue)
+  else
+    redis.call('PUBLISH', channel, queue)
+  end
+end
+
 -- Enqueue a dramatiq message exactly as RedisBroker.enqueue does, and ring the doorbell.
 local function enqueue(msgs, list, id, data, channel, queue)
   redis.call('HSET', msgs, id, data)
   redis.call('RPUSH', list, id)
-  redis.call('PUBLISH', channel, queue)
+  ring(channel, queue)
 end
 
 -- Server time in microseconds, as an exact decimal string (Lua's number format would round it).

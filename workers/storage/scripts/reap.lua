@@ -25,7 +25,7 @@ for i, queue in ipairs(a.queues) do
     end
   end
   redis.call('DEL', acks)
-  if moved > 0 then redis.call('PUBLISH', a.channel, queue) end
+  if moved > 0 then ring(a.channel, queue) end
   requeued = requeued + moved
 end
 if a.fleet then
