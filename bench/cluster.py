@@ -9,7 +9,8 @@ server in the sharded layout (`--shards`), and the cluster in the sharded layout
 conversation's turn of a round in flight at once. Measured per setup: the wall time (turns/s), the
 servers' CPU (INFO cpu, summed over the primaries) and commands (INFO commandstats, without the
 harness's XREADs) per turn, and on the cluster each primary's share of the CPU and of the
-commands, against the mean of the primaries."""
+commands, against the mean of the primaries. Then the idle latency: `--idle-turns` turns one at a
+time, each after `--spacing-s` of quiet (the consumers idle), from submit to the terminal event."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 
 from .procs import ROOT, free_port
-from .stats import WAIT_COMMANDS, command_counts, server_cpu_s
+from .stats import WAIT_COMMANDS, command_counts, percentile, server_cpu_s
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class Result:
     seconds: float
     server_cpu_s: list[float]
     commands: list[int]
+    #: Idle turns' submit-to-terminal latency (ms).
+    idle_ms: list[float]
 
     @property
     def rate(self) -> float:
@@ -55,7 +58,7 @@ class Result:
 
 
 def run_setup(setup: str, url: str, nodes: list[redis.Redis], *, shards: int, processes: int, threads: int,
-              turns: int, conversations: int, workdir: Path) -> Result:
+              turns: int, conversations: int, idle_turns: int, spacing_s: float, workdir: Path) -> Result:
     prefix = f"bc{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "REDIS_URL": url, "TL_PREFIX": prefix, "TL_SHARDS": str(shards), "TL_LOG_FORMAT": "json",
            "TL_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
@@ -96,7 +99,13 @@ def run_setup(setup: str, url: str, nodes: list[redis.Redis], *, shards: int, pr
         seconds = time.monotonic() - started
         cpu = [server_cpu_s(node) - c0 for node, c0 in zip(nodes, cpu0, strict=True)]
         commands = [sum(v for k, v in command_counts(node).items() if k not in WAIT_COMMANDS) for node in nodes]
-        return Result(setup, done, seconds, cpu, commands)
+        idle_ms = []
+        for _ in range(idle_turns):
+            time.sleep(spacing_s)
+            began = time.perf_counter()
+            client.wait(client.submit(request(f"i-{uuid.uuid4().hex[:10]}", None)), timeout_s=60)
+            idle_ms.append(1000 * (time.perf_counter() - began))
+        return Result(setup, done, seconds, cpu, commands, idle_ms)
     finally:
         client.close()
         for w in workers:
@@ -116,13 +125,16 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--shards", type=int, default=6, help="virtual shards (a multiple of the 3 primaries)")
+    parser.add_argument("--idle-turns", type=int, default=50)
+    parser.add_argument("--spacing-s", type=float, default=0.3, help="quiet before each idle turn")
     args = parser.parse_args()
     if shutil.which("redis-server") is None:
         raise SystemExit("needs redis-server and redis-cli on PATH")
     workdir = Path(tempfile.mkdtemp(prefix="tl-bench-cluster-"))
     results: list[Result] = []
     common = {"processes": args.processes, "threads": args.threads, "turns": args.turns,
-              "conversations": args.conversations, "workdir": workdir}
+              "conversations": args.conversations, "idle_turns": args.idle_turns, "spacing_s": args.spacing_s,
+              "workdir": workdir}
     try:
         for setup, shards in (("one server", 0), (f"one server, {args.shards} shards", args.shards)):
             port = free_port()
@@ -142,7 +154,7 @@ def main() -> None:
                 server.kill()
                 server.wait()
         with Cluster(workdir / "cluster", replicas=0) as cluster:
-            url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in cluster.nodes)
+            url = cluster.every_node_url
             primaries = [n.client() for n in cluster.primary_nodes()]
             results.append(run_setup(f"3-primary cluster, {args.shards} shards", url, primaries, shards=args.shards,
                                      **common))
@@ -152,13 +164,15 @@ def main() -> None:
     print(f"\n{args.turns} turns on {args.conversations} conversations, {args.processes} worker processes x "
           f"{args.threads} threads, offline:echo; load average {os.getloadavg()[0]:.1f}\n")
     print("| setup | turns/s | x one server | server CPU per turn (ms, summed) | x one server | commands per turn "
-          "| per primary: CPU s | busiest CPU / mean | per primary: commands | busiest commands / mean |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| per primary: CPU s | busiest CPU / mean | per primary: commands | busiest commands / mean "
+          "| idle latency p50 / p99 (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r.setup} | {r.rate:.1f} | {r.rate / base.rate:.2f} | {r.per_turn_ms():.2f} | "
               f"{r.per_turn_ms() / base.per_turn_ms():.2f} | {sum(r.commands) / r.turns:.1f} | "
               f"{', '.join(f'{c:.2f}' for c in r.server_cpu_s)} | {r.busiest(r.server_cpu_s):.2f} | "
-              f"{', '.join(str(c) for c in r.commands)} | {r.busiest(r.commands):.2f} |")
+              f"{', '.join(str(c) for c in r.commands)} | {r.busiest(r.commands):.2f} | "
+              f"{percentile(r.idle_ms, 50):.1f} / {percentile(r.idle_ms, 99):.1f} |")
 
 
 if __name__ == "__main__":
