@@ -141,9 +141,9 @@ class WebhookStore(StoreBase):
     async def retry_delivery(self, delivery_id: str, *, now: float) -> RetryWrite:
         """One more attempt of a delivery, now (`threadline webhooks retry`)."""
         d = await self.delivery(delivery_id)
-        if d is None:
+        k = await self.turn_keys(delivery_id)  # the CLI binds no shard: the turn's (sharded layout)
+        if d is None or k is None:
             return "not_found"
-        k = self.keys
         queue, message_id, data = self._attempt_message(delivery_id, d.attempts + 1, now=now)
         reply = await self._run(
             "webhook_retry", [k.webhook(delivery_id), k.queue_messages(queue), k.queue(queue)],
