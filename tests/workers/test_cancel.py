@@ -15,6 +15,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
+from threadline.workers.clients.layout import request_shard
 
 pytestmark = pytest.mark.integration
 
@@ -22,14 +23,21 @@ ALL_QUEUES = (*DEFAULT_GRAPH.names, "control")
 
 
 def served_unacked(client: Client, queue: str) -> bool:
-    """Whether a worker holds a message of `queue` it has not acknowledged."""
-    return any(client.redis.scard(key) for key in client.redis.scan_iter(client.keys.acks("*", queue)))
+    """Whether a worker holds a message of `queue` it has not acknowledged (in any shard)."""
+    return any(client.redis.scard(key) for k in client.keys.every_shard()
+               for key in client.redis.scan_iter(k.acks("*", queue)))
+
+
+def queued(client: Client, queue: str) -> int:
+    """The messages waiting on `queue`, summed over the shards."""
+    return sum(client.redis.llen(k.queue(queue)) for k in client.keys.every_shard())
 
 
 def flag_raised(client: Client, turn_id: str) -> Callable[[], bool]:
     return lambda: bool(client.redis.exists(keys_of(client, turn_id).cancel_flag(turn_id)))
 
 
+@pytest.mark.one_server("the sharded layout's cancel of a turn with no shard pointer yet is 'noop: unknown'")
 def test_cancel_before_the_turn_is_enqueued_wins(workers: WorkerPool, client: Client, make_agent: AgentFactory,
                                                  tmp_path: Path) -> None:
     record = tmp_path / "calls.jsonl"
@@ -37,6 +45,23 @@ def test_cancel_before_the_turn_is_enqueued_wins(workers: WorkerPool, client: Cl
     turn_id = f"early-{uuid.uuid4().hex}"
     assert client.cancel(turn_id, "changed my mind") == "enqueued"
     wait_until(flag_raised(client, turn_id))
+    client.submit(turn(agent, "never runs", turn_id=turn_id))
+    terminal = client.wait(turn_id, timeout_s=20)
+    assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
+    assert not records(record), "the model was never called"
+    assert_one_terminal(client, turn_id)
+
+
+def test_a_raw_cancel_on_the_turns_shard_before_it_is_enqueued_wins(
+        workers: WorkerPool, client: Client, make_agent: AgentFactory, tmp_path: Path) -> None:
+    """A producer that knows where the turn will be (its first turn's conversation's shard) sends the
+    cancel there before the turn: the turn never runs, in either layout."""
+    record = tmp_path / "calls.jsonl"
+    agent = make_agent(python_model("streaming", record=str(record)))
+    turn_id = f"early-{uuid.uuid4().hex}"
+    shard = request_shard(client.keys, None, turn_id)
+    client.enqueue("control", "cancel", (turn_id, "changed my mind"), shard=shard)
+    wait_until(lambda: bool(client.redis.exists(client.keys.on(shard).cancel_flag(turn_id))))
     client.submit(turn(agent, "never runs", turn_id=turn_id))
     terminal = client.wait(turn_id, timeout_s=20)
     assert isinstance(terminal, ev.Cancelled) and terminal.code == "cancelled", terminal
@@ -71,12 +96,12 @@ def test_a_turn_cancelled_while_queued_for_a_stage_never_reaches_the_model(
     assert terminal.message == "stop"  # the cancel's reason
     if stage != "resolve":
         isolated().start(processes=1, queues=(stage,))  # its message: dropped as a no-op
-        wait_until(lambda: client.redis.llen(client.keys.queue(stage)) == 0 and not served_unacked(client, stage))
+        wait_until(lambda: queued(client, stage) == 0 and not served_unacked(client, stage))
     assert not records(record), "no model call"
     assert_one_terminal(client, turn_id)
     # a turn cancelled after it was accepted names its conversation; before, none was made
     assert (terminal.conversation_id is None) == (stage == "resolve")
-    assert not list(client.redis.scan_iter(f"{without.prefix}:turn:{turn_id}:art:*")), "artifacts are deleted"
+    assert not list(client.redis.scan_iter(keys_of(client, turn_id).artifact(turn_id, "*"))), "artifacts are deleted"
 
     # the conversation (or a new one, if the turn never got one) goes on
     follow_up = turn(agent, "and now?", conversation_id=terminal.conversation_id)
@@ -92,8 +117,9 @@ def test_cancel_after_the_end_is_a_noop(workers: WorkerPool, client: Client, mak
     before = list(client.events(terminal.turn_id))
     assert client.cancel(terminal.turn_id) == "noop: succeeded"
     # a raw control message (no client-side check) is a no-op in the worker too
-    mid = client.enqueue("control", "cancel", (terminal.turn_id, "late"))
-    wait_until(lambda: not client.redis.hexists(client.keys.queue_messages("control"), mid))
+    k = keys_of(client, terminal.turn_id)
+    mid = client.enqueue("control", "cancel", (terminal.turn_id, "late"), shard=k.shard)
+    wait_until(lambda: not client.redis.hexists(k.queue_messages("control"), mid))
     assert list(client.events(terminal.turn_id)) == before
     assert not client.redis.exists(keys_of(client, terminal.turn_id).cancel_flag(terminal.turn_id))
     assert client.turn_state(terminal.turn_id).status == "succeeded"
@@ -109,7 +135,7 @@ def test_repeated_cancels_end_the_turn_once(workers: WorkerPool, client: Client,
     terminal = client.wait(turn_id, timeout_s=20)
     assert isinstance(terminal, ev.Cancelled), terminal
     # every cancel message was handled before the check (the later ones find the turn ended)
-    wait_until(lambda: not client.redis.hlen(client.keys.queue_messages("control")))
+    wait_until(lambda: not client.redis.hlen(keys_of(client, turn_id).queue_messages("control")))
     assert_one_terminal(client, turn_id)
 
 

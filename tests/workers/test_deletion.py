@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from tests.conftest import AgentFactory, WorkerPool, liveness_key, turn
+from tests.support.turns import keys_of
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -20,6 +21,7 @@ from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.cli import common
 from threadline.workers.cli import main as cli
 from threadline.workers.clients.client import Client
+from threadline.workers.protocol.keys import Keys
 from threadline.workers.storage.conversations import DeleteResult
 
 pytestmark = pytest.mark.integration
@@ -29,16 +31,25 @@ pytestmark = pytest.mark.integration
 DumpAll = dict[str, tuple[bytes | None, bool]]
 
 
-def dump_all(r: redis.Redis, prefix: str) -> DumpAll:
-    """Every key under `prefix` (but the broker's queues, the workers' heartbeats and the rate-limit
+def dump_all(r: redis.Redis, keys: Keys) -> DumpAll:
+    """Every key under the prefix (but the broker's queues, the workers' heartbeats and the rate-limit
     buckets, which earlier tests' requests leave to expire within a minute) as `DUMP` serialises it,
     and whether it expires."""
+    prefix = keys.prefix
+    skipped = (*(k.queue("") for k in keys.every_shard()), keys.heartbeats(), keys.worker(""), keys.workers(),
+               f"{prefix}:ratelimit:")
     out: DumpAll = {}
     for raw in r.scan_iter(f"{prefix}:*", count=1000):
         key = raw.decode()
-        if not key.startswith((f"{prefix}:q:", f"{prefix}:ratelimit:")) and not liveness_key(key, prefix):
+        if not key.startswith(skipped) and not liveness_key(key, prefix):
             out[key] = (r.dump(key), r.pttl(key) >= 0)
     return out
+
+
+def tenant_listed(client: Client, tenant_id: str) -> list[str]:
+    """The tenant's conversation index (one per shard in the sharded layout), its members by id."""
+    return sorted(m.decode() for k in client.keys.every_shard()
+                  for m in client.redis.zrange(k.tenant_conversations(tenant_id), 0, -1))
 
 
 def run(client: Client, agent: str, queries: list[str], **fields: Any) -> tuple[str, list[str]]:
@@ -56,8 +67,8 @@ def run(client: Client, agent: str, queries: list[str], **fields: Any) -> tuple[
 
 def compaction_settled(client: Client) -> bool:
     """No compaction message waits or runs (dramatiq deletes a message's body when it is acked)."""
-    return all(client.redis.hlen(client.keys.queue_messages(s.queue)) == 0
-               for s in DEFAULT_GRAPH.of_kind("compaction"))
+    return all(client.redis.hlen(k.queue_messages(s.queue)) == 0
+               for s in DEFAULT_GRAPH.of_kind("compaction") for k in client.keys.every_shard())
 
 
 def delete_cli(client: Client, monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
@@ -83,23 +94,26 @@ def test_delete_removes_every_key_of_the_conversation_and_leaves_every_other_key
     wait_until(lambda: compaction_settled(client) and client.redis.exists(client.keys.summaries(a)))
     k, r = client.keys, client.redis
     assert r.hlen(k.summaries(a)) and r.hlen(k.token_counts(a)) and r.hlen(k.decisions(a)) and r.hlen(k.snapshots(a))
-    before = dump_all(r, k.prefix)
-    index = k.tenant_conversations("t1")
-    listed = [m.decode() for m in r.zrange(index, 0, -1)]
+    before = dump_all(r, k)
+    ka = k.of_conversation(a)  # its turns' keys and the tenant's index it is listed in are in its shard
+    index = ka.tenant_conversations("t1")
+    listed = tenant_listed(client, "t1")
     assert a in listed and b in listed
-    mine = {key for key in before if any(name in key for name in (a, *a_turns))}
-    assert {k.turn(t) for t in a_turns} | {k.events(t) for t in a_turns} <= mine
+    # its turns' shard pointers (sharded layout) hold no content: they stay until they expire
+    pointers = {k.turn_shard(t) for t in a_turns}
+    mine = {key for key in before if any(name in key for name in (a, *a_turns))} - pointers
+    assert {ka.turn(t) for t in a_turns} | {ka.events(t) for t in a_turns} <= mine
 
     assert delete_cli(client, monkeypatch, a, "--tenant", "t1") == 0
     assert capsys.readouterr().out.strip() == f"deleted conversation {a}: 7 messages, 7 turns"
 
-    after = dump_all(r, k.prefix)
-    assert [key for key in after if any(name in key for name in (a, *a_turns))] == []
+    after = dump_all(r, k)
+    assert [key for key in after if any(name in key for name in (a, *a_turns)) and key not in pointers] == []
     # the tenant's conversation index loses exactly this conversation; every other key is as it was
-    assert [m.decode() for m in r.zrange(index, 0, -1)] == [c for c in listed if c != a]
+    assert tenant_listed(client, "t1") == [c for c in listed if c != a]
     assert {key: v for key, v in after.items() if key != index} == {
         key: v for key, v in before.items() if key not in mine and key != index}
-    assert k.usage("t1") in after  # usage counters are billing history: kept
+    assert ka.usage("t1") in after  # usage counters are billing history: kept
     assert client.thread(a) == [] and list(client.events(a_turns[-1])) == []
     # the other conversation goes on; the deleted one is not found, by a turn or by a second delete
     assert len(run(client, tools, ["and the tool again"], conversation_id=b)[1]) == 1
@@ -131,7 +145,8 @@ def test_busy_another_tenants_and_bad_ids_change_nothing(workers: WorkerPool, cl
     # --cancel: its turns are cancelled, then it is deleted once idle
     assert delete_cli(client, monkeypatch, cid, "--cancel", "--timeout", "20") == 0
     assert not client.redis.exists(*k.conversation_keys(cid))
-    assert not client.redis.exists(k.turn(running), k.events(running))
+    kt = keys_of(client, running)
+    assert not client.redis.exists(kt.turn(running), kt.events(running))
 
 
 #: How long the "old" conversations have been idle, by their own records (rewritten by the test):
@@ -151,9 +166,10 @@ def age_message_rows(client: Client, conversation_id: str, by_s: float) -> None:
 
 def age_activity(client: Client, conversation_id: str, by_s: float) -> None:
     """Move the conversation's last activity (its score in the activity index) `by_s` back."""
-    score = client.redis.zscore(client.keys.activity(), conversation_id)
+    activity = client.keys.of_conversation(conversation_id).activity()
+    score = client.redis.zscore(activity, conversation_id)
     assert score is not None, conversation_id
-    client.redis.zadd(client.keys.activity(), {conversation_id: score - by_s}, xx=True)
+    client.redis.zadd(activity, {conversation_id: score - by_s}, xx=True)
 
 
 def test_retention_deletes_idle_conversations_and_keeps_fresh_ones(isolated: Any, redis_url: str) -> None:
@@ -168,7 +184,7 @@ def test_retention_deletes_idle_conversations_and_keeps_fresh_ones(isolated: Any
     legacy = f"c-legacy-{uuid.uuid4().hex[:8]}"
     client.import_conversation(conversation_id=legacy, tenant_id="t1", app_id="app", user_id="u1", agent_id=agent,
                                turns=[("q", "a", None)])
-    client.redis.zrem(client.keys.activity(), legacy)
+    client.redis.zrem(client.keys.of_conversation(legacy).activity(), legacy)
     age_message_rows(client, legacy, IDLE_S)
     pool.start()
     old, _ = run(client, agent, ["an old question"])
@@ -180,7 +196,7 @@ def test_retention_deletes_idle_conversations_and_keeps_fresh_ones(isolated: Any
         age_activity(client, conversation, IDLE_S)
     wait_until(lambda: all(client.conversation(c) is None for c in (old, imported, legacy)), timeout_s=30)
     assert client.conversation(fresh) is not None
-    assert client.redis.zscore(client.keys.activity(), old) is None
+    assert client.redis.zscore(client.keys.of_conversation(old).activity(), old) is None
     assert not client.redis.exists(*client.keys.conversation_keys(old))
     assert "conversation_expired" in pool.log_tail(200) and "activity_backfilled" in pool.log_tail(200)
     client.close()

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import dramatiq
 import pytest
@@ -17,19 +18,23 @@ from dramatiq.message import Message
 
 from tests.conftest import close_broker
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.settings import Settings
+from threadline.workers.protocol.names import SHARD_OPTION
+from threadline.workers.settings import Settings, shards_from_env
 from threadline.workers.worker.broker import DoorbellBroker
 
 pytestmark = pytest.mark.integration
 
 ENTRY = DEFAULT_GRAPH.first.queue
 INTERNAL = DEFAULT_GRAPH.stages[1].queue
+#: The shard the messages go to (the sharded layout's enqueue needs one; one server's has one).
+SHARD = 0
 
 
 @pytest.fixture
 def settings(redis_url: str) -> Settings:
     return dataclasses.replace(Settings.from_env({}), prefix=f"tld{uuid.uuid4().hex[:8]}", redis_url=redis_url,
-                               idle_poll_ms=2_000, delay_poll_ms=30_000)
+                               idle_poll_ms=2_000, delay_poll_ms=30_000,
+                               shards=shards_from_env())  # the session's layout (a cluster's is sharded)
 
 
 @pytest.fixture
@@ -38,6 +43,11 @@ def broker(settings: Settings, redis_url: str) -> Iterator[DoorbellBroker]:
     dramatiq.actor(lambda envelope: None, actor_name=INTERNAL, queue_name=INTERNAL, broker=made)
     yield made
     close_broker(made, redis_url)
+
+
+def work_for(broker: DoorbellBroker, turn_id: str) -> Message[Any]:
+    return Message(queue_name=INTERNAL, actor_name=INTERNAL, args=({"turn_id": turn_id},), kwargs={},
+                   options={SHARD_OPTION: SHARD} if broker.keys.shards else {})
 
 
 def test_queues_producers_fill_are_polled_often_the_others_rarely(broker: DoorbellBroker) -> None:
@@ -58,8 +68,7 @@ def test_without_entry_queues_every_queue_is_polled_often(settings: Settings, re
 
 def test_an_ack_wakes_a_consumer_that_passed_a_ring_over_while_full(broker: DoorbellBroker) -> None:
     for i in range(2):
-        broker.enqueue(Message(queue_name=INTERNAL, actor_name=INTERNAL, args=({"turn_id": f"t{i}"},), kwargs={},
-                               options={}))
+        broker.enqueue(work_for(broker, f"t{i}"))
     consumer = broker.consume(INTERNAL, prefetch=1, timeout=50)
     time.sleep(1.0)  # the listener has subscribed (and rung once): from now on only the ack rings
     first = next(consumer)
@@ -77,10 +86,10 @@ def test_an_ack_wakes_a_consumer_that_passed_a_ring_over_while_full(broker: Door
 def test_an_ack_rides_on_the_next_fetch_and_a_closing_consumer_sends_its_own(broker: DoorbellBroker) -> None:
     """One round trip acks a message and fetches the next: until it is sent, the acked message stays
     in the ack set and held (not an orphan to put back)."""
-    sent = [broker.enqueue(Message(queue_name=INTERNAL, actor_name=INTERNAL, args=({"turn_id": f"t{i}"},),
-                                   kwargs={}, options={})) for i in range(2)]
+    sent = [broker.enqueue(work_for(broker, f"t{i}")) for i in range(2)]
     ids = [m.options["redis_message_id"] for m in sent]
-    acks, bodies = broker.keys.acks(broker.broker_id, INTERNAL), broker.keys.queue_messages(INTERNAL)
+    k = broker.keys.on(SHARD)
+    acks, bodies = k.acks(broker.broker_id, INTERNAL), k.queue_messages(INTERNAL)
     consumer = broker.consume(INTERNAL, prefetch=1, timeout=50)
     first = next(consumer)
     assert first is not None and first.options["redis_message_id"] == ids[0]
@@ -98,8 +107,7 @@ def test_an_ack_rides_on_the_next_fetch_and_a_closing_consumer_sends_its_own(bro
 
 
 def test_messages_put_back_without_an_enqueue_ring(broker: DoorbellBroker) -> None:
-    broker.enqueue(Message(queue_name=INTERNAL, actor_name=INTERNAL, args=({"turn_id": "t"},), kwargs={},
-                           options={}))
+    broker.enqueue(work_for(broker, "t"))
     stopping = broker.consume(INTERNAL, prefetch=1, timeout=50)
     other = broker.consume(INTERNAL, prefetch=1, timeout=50)
     time.sleep(1.0)  # subscribed, and the subscription's own ring has landed

@@ -20,9 +20,11 @@ from tests.support.wait import poll
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.cli import main as cli
+from threadline.workers.clients.layout import request_shard
 from threadline.workers.operations.status import Operations
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import queues
+from threadline.workers.settings import shards_from_env
 from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
@@ -63,8 +65,13 @@ def listed(run: Any, queue: str | None = None) -> dict[str, dict[str, Any]]:
     return {d["message_id"]: d for d in json.loads(out)}
 
 
+def turn_shard(env: OwnPool, turn_id: str) -> Keys:
+    """The keys of the shard a raw producer's first turn `turn_id` goes to (one server's: its keys)."""
+    return env.client.keys.on(request_shard(env.client.keys, None, turn_id))
+
+
 def stream_entries(env: OwnPool, mid: str) -> list[dict[str, str]]:
-    entries = env.redis.xrange(f"{env.pool.prefix}:deadletters")
+    entries = [e for k in env.client.keys.every_shard() for e in env.redis.xrange(k.dead_letters())]
     rows = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
     return [row for row in rows if row["message_id"] == mid]
 
@@ -72,9 +79,10 @@ def stream_entries(env: OwnPool, mid: str) -> list[dict[str, str]]:
 def test_status_shows_the_queues_the_workers_and_a_turn_in_flight(env: OwnPool, run: Any, tmp_path: Path) -> None:
     # a message that waited a minute on the queue nobody serves
     waiting = f"old-{uuid.uuid4().hex[:8]}"
-    env.redis.hset(f"{env.ns}:{UNSERVED}.msgs", waiting,
+    k = turn_shard(env, waiting)
+    env.redis.hset(k.queue_messages(UNSERVED), waiting,
                    raw_message(UNSERVED, waiting, UNSERVED, [{}], message_timestamp=int(time.time() * 1000) - 60_000))
-    env.redis.rpush(f"{env.ns}:{UNSERVED}", waiting)
+    env.redis.rpush(k.queue(UNSERVED), waiting)
     release = tmp_path / "release"
     slow = f"agent-{uuid.uuid4().hex[:10]}"
     env.client.put_agent(AgentConfig.model_validate({"id": slow, "model": {
@@ -111,16 +119,17 @@ def test_status_shows_the_queues_the_workers_and_a_turn_in_flight(env: OwnPool, 
         release.touch()
     terminal = env.client.wait(turn_id, timeout_s=20)
     assert terminal.type == "succeeded", terminal
-    env.redis.delete(f"{env.ns}:{UNSERVED}", f"{env.ns}:{UNSERVED}.msgs")
+    env.redis.delete(k.queue(UNSERVED), k.queue_messages(UNSERVED))
     assert json.loads(run("status", "--json")[1])["turns"]["count"] == 0
 
 
 def test_a_poison_message_is_listed_shown_replayed_and_purged(env: OwnPool, run: Any) -> None:
     poison = f"bad-{uuid.uuid4().hex[:8]}"
     args = [{**turn(env.agent, "hi", turn_id=poison), "api_key": SECRET}]
-    env.redis.hset(f"{env.ns}:resolve.msgs", poison, raw_message("resolve", poison, "no_such_actor", args))
-    env.redis.rpush(f"{env.ns}:resolve", poison)
-    env.redis.publish(f"{env.pool.prefix}:doorbell", "resolve")
+    k = turn_shard(env, poison)
+    env.redis.hset(k.queue_messages("resolve"), poison, raw_message("resolve", poison, "no_such_actor", args))
+    env.redis.rpush(k.queue("resolve"), poison)
+    env.redis.publish(k.doorbell_channel(), "resolve")
 
     letter = poll(lambda: listed(run).get(poison))
     assert letter is not None
@@ -152,7 +161,7 @@ def test_a_poison_message_is_listed_shown_replayed_and_purged(env: OwnPool, run:
     code, out, _ = run("dead-letters", "purge", "--yes")
     assert code == 0 and out.startswith("purged ")
     assert listed(run) == {}
-    assert env.redis.hlen(f"{env.ns}:resolve.XQ.msgs") == 0
+    assert sum(env.redis.hlen(s.dead_queue_messages("resolve")) for s in env.client.keys.every_shard()) == 0
 
 
 def test_a_replayed_turn_request_is_processed(env: OwnPool, run: Any) -> None:
@@ -163,10 +172,11 @@ def test_a_replayed_turn_request_is_processed(env: OwnPool, run: Any) -> None:
     body = raw_message("resolve", turn_id, "resolve", [request])
     spent = json.loads(body)
     spent["options"].update(retries=5, traceback="ConnectionError: down")
-    env.redis.zadd(f"{env.ns}:resolve.XQ", {turn_id: int(time.time() * 1000)})
-    env.redis.hset(f"{env.ns}:resolve.XQ.msgs", turn_id, json.dumps(spent))
-    env.redis.xadd(f"{env.pool.prefix}:deadletters", {"queue": "resolve", "message_id": turn_id, "actor": "resolve",
-                                                      "reason": "failed: ConnectionError"})
+    k = turn_shard(env, turn_id)
+    env.redis.zadd(k.dead_queue("resolve"), {turn_id: int(time.time() * 1000)})
+    env.redis.hset(k.dead_queue_messages("resolve"), turn_id, json.dumps(spent))
+    env.redis.xadd(k.dead_letters(), {"queue": "resolve", "message_id": turn_id, "actor": "resolve",
+                                      "reason": "failed: ConnectionError"})
     assert listed(run, "resolve")[turn_id]["reason"] == "failed: ConnectionError"
 
     assert run("dead-letters", "replay", turn_id, "--queue", "resolve")[0] == 0
@@ -213,7 +223,7 @@ def test_usage_reads_the_tenant_counters(env: OwnPool, run: Any) -> None:
 def test_workers_alive_and_queue_consumers_come_from_the_heartbeat_keys(redis_url: str) -> None:
     """A process counts while its heartbeat key lives (it expires `TL_WORKER_TIMEOUT_S` after the
     last renewal): a registry entry the watchdog has not reaped yet is not a consumer."""
-    keys = Keys(f"tlw{uuid.uuid4().hex[:8]}")
+    keys = Keys(f"tlw{uuid.uuid4().hex[:8]}", shards_from_env())  # the session's layout: fleet keys share a slot
     r = sync_client(redis_url)
     try:
         r.hset(keys.workers(), mapping={"w-fast": "b1", "w-invoke": "b2", "w-dead": "b3", "w-fading": "b4"})

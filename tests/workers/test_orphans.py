@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -18,36 +19,47 @@ from prometheus_client import REGISTRY
 
 from tests.conftest import close_broker
 from threadline.pipeline.stages import DEFAULT_GRAPH
-from threadline.workers.settings import Settings
+from threadline.workers.protocol.names import SHARD_OPTION
+from threadline.workers.settings import Settings, shards_from_env
 from threadline.workers.worker.broker import DoorbellBroker, DoorbellConsumer
 from threadline.workers.worker.process import create_broker
 
 pytestmark = pytest.mark.integration
 
 QUEUE = DEFAULT_GRAPH.stages[1].queue
+#: The shard the messages go to (the sharded layout's enqueue needs one; one server's has one).
+SHARD = 0
 
 
 @pytest.fixture
 def broker(redis_url: str) -> Iterator[DoorbellBroker]:
-    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlo{uuid.uuid4().hex[:8]}", redis_url=redis_url)
+    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlo{uuid.uuid4().hex[:8]}", redis_url=redis_url,
+                                   shards=shards_from_env())  # the session's layout (a cluster's is sharded)
     made = create_broker(settings, redis_url)
     yield made
     close_broker(made, redis_url)
 
 
-def enqueue(broker: DoorbellBroker, n: int) -> list[str]:
+def work_for(broker: DoorbellBroker, turn_id: str) -> Message[Any]:
     actor = next(name for name, a in broker.actors.items() if a.queue_name == QUEUE)
-    return [broker.enqueue(Message(queue_name=QUEUE, actor_name=actor, args=({"turn_id": f"t{i}"},), kwargs={},
-                                   options={})).options["redis_message_id"] for i in range(n)]
+    return Message(queue_name=QUEUE, actor_name=actor, args=({"turn_id": turn_id},), kwargs={},
+                   options={SHARD_OPTION: SHARD} if broker.keys.shards else {})
+
+
+def enqueue(broker: DoorbellBroker, n: int) -> list[str]:
+    return [broker.enqueue(work_for(broker, f"t{i}")).options["redis_message_id"] for i in range(n)]
+
+
+def acks_key(broker: DoorbellBroker) -> str:
+    return broker.keys.on(SHARD).acks(broker.broker_id, QUEUE)
 
 
 def acks(broker: DoorbellBroker) -> set[str]:
-    key = f"{broker.namespace}:__acks__.{broker.broker_id}.{QUEUE}"
-    return {m.decode() for m in broker.client.smembers(key)}
+    return {m.decode() for m in broker.client.smembers(acks_key(broker))}
 
 
 def queued(broker: DoorbellBroker) -> list[str]:
-    return [m.decode() for m in broker.client.lrange(f"{broker.namespace}:{QUEUE}", 0, -1)]
+    return [m.decode() for m in broker.client.lrange(broker.keys.on(SHARD).queue(QUEUE), 0, -1)]
 
 
 def test_a_new_consumer_puts_back_what_the_lost_one_had_fetched_and_keeps_what_is_held(
@@ -79,8 +91,8 @@ def test_a_new_consumer_puts_back_what_the_lost_one_had_fetched_and_keeps_what_i
 def test_a_fetch_whose_reply_was_lost_is_put_back(broker: DoorbellBroker) -> None:
     (orphan,) = enqueue(broker, 1)
     # the fetch script ran (the id moved to the ack set) but its reply never reached the consumer
-    broker.client.lpop(f"{broker.namespace}:{QUEUE}")
-    broker.client.sadd(f"{broker.namespace}:__acks__.{broker.broker_id}.{QUEUE}", orphan)
+    broker.client.lpop(broker.keys.on(SHARD).queue(QUEUE))
+    broker.client.sadd(acks_key(broker), orphan)
 
     message = next(broker.consume(QUEUE, prefetch=1, timeout=50))
     assert message is not None and message.options["redis_message_id"] == orphan
@@ -92,7 +104,7 @@ def test_a_message_whose_ack_was_not_sent_stays_held(broker: DoorbellBroker, mon
     message = next(first)
     assert message is not None
 
-    def unreachable(*args: object) -> None:
+    def unreachable(*args: object, **kwargs: object) -> None:
         raise redis.ConnectionError("Connection refused")
 
     first.ack(message)  # sent with the consumer's next look
@@ -110,9 +122,7 @@ def test_a_message_whose_ack_was_not_sent_stays_held(broker: DoorbellBroker, mon
 
 
 def test_a_delay_queues_handed_out_messages_are_put_back_with_its_next_consumer(broker: DoorbellBroker) -> None:
-    actor = next(name for name, a in broker.actors.items() if a.queue_name == QUEUE)
-    delayed = broker.enqueue(Message(queue_name=QUEUE, actor_name=actor, args=({"turn_id": "t"},), kwargs={},
-                                     options={}), delay=60_000)
+    delayed = broker.enqueue(work_for(broker, "t"), delay=60_000)
     dq = f"{QUEUE}.DQ"
     first = broker.consume(dq, prefetch=1, timeout=50)
     waiting = next(first)

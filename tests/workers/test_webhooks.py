@@ -22,7 +22,7 @@ from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.cli import cli_env, cli_runner
 from tests.support.gateway import running_gateway
 from tests.support.script_driver import LAST, make_turn
-from tests.support.turns import python_model
+from tests.support.turns import keys_of, python_model
 from tests.support.wait import poll, wait_until
 from tests.support.webhook_receiver import WebhookReceiver
 from threadline.pipeline import webhooks
@@ -33,7 +33,6 @@ from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.async_client import AsyncClient
 from threadline.workers.clients.client import Client
 from threadline.workers.gateway.tenancy import inside
-from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import WEBHOOK_ACTOR, WEBHOOK_QUEUE
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import KeyRing
@@ -195,9 +194,10 @@ def test_a_receiver_failing_twice_gets_the_third_attempt_signed_once_per_turn(
     assert unknown.code == 3 and "no webhook delivery" in unknown.one_line()
 
     # a malformed job names no delivery: dead-lettered at once, nothing POSTed
-    client.enqueue(WEBHOOK_QUEUE, WEBHOOK_ACTOR, ({"delivery_id": own[1]},))
+    k = keys_of(client, own[1])
+    client.enqueue(WEBHOOK_QUEUE, WEBHOOK_ACTOR, ({"delivery_id": own[1]},), shard=k.shard)
     wait_until(lambda: any(e[b"reason"] == b"invalid_webhook_job"
-                           for _, e in client.redis.xrange(client.keys.dead_letters())), timeout_s=30)
+                           for _, e in client.redis.xrange(k.dead_letters())), timeout_s=30)
     assert len(receiver.attempts(own[1])) == 3
     client.close()
 
@@ -225,7 +225,7 @@ def test_private_hosts_are_refused_by_default_and_the_turn_still_succeeds(
     # the shared pool runs with the default TL_WEBHOOK_HOSTS=public: 127.0.0.1 is not a public host
     handle = client.start(turn(make_agent(), "hello", webhook_url=receiver.url))
     assert handle.result(timeout=30).type == "succeeded"
-    keys = Keys(workers.prefix)
+    keys = keys_of(client, handle)
     failed = poll(lambda: client.redis.hget(keys.webhook(handle), "status") == b"failed", timeout_s=30)
     assert failed, client.redis.hgetall(keys.webhook(handle))
     (attempt,) = [json.loads(a) for a in client.redis.lrange(keys.webhook_attempts(handle), 0, -1)]
@@ -284,7 +284,8 @@ def test_submit_takes_a_webhook_url_and_refuses_a_bad_one_writing_nothing(
         taken = run("--agent", "hooked", "--query", "hi", "--webhook-url", "https://hooks.example.com/t")
         assert taken.code == 0, taken.err
         turn_id = taken.out.split()[0]
-        (queued,) = [m for m in r.hvals(client.keys.queue_messages(DEFAULT_GRAPH.first.queue)) if turn_id.encode() in m]
+        (queued,) = [m for k in client.keys.every_shard() for m in r.hvals(k.queue_messages(DEFAULT_GRAPH.first.queue))
+                     if turn_id.encode() in m]
         assert json.loads(queued)["args"][0]["webhook_url"] == "https://hooks.example.com/t"
 
 
