@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-import redis
 
 from tests.conftest import AgentFactory, WorkerPool, liveness_key, turn
 from tests.support.turns import keys_of
@@ -17,6 +16,7 @@ from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import new_conversation_id
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
+from threadline.workers.storage.connect import sync_client
 
 pytestmark = pytest.mark.integration
 
@@ -183,15 +183,21 @@ def test_malformed_requests_fail_with_a_stable_code(workers: WorkerPool, client:
     assert workers.alive()
 
 
+def _unscoped(name: str, prefix: str) -> str:
+    """A key's name without the sharded layout's hash tag (`<prefix>:{<tag>}:...`: a shard's, the fleet's)."""
+    rest = name[len(prefix) + 1:]
+    return f"{prefix}:{rest.split('}:', 1)[1]}" if rest.startswith("{") and "}:" in rest else name
+
+
 def _stored_state(url: str, prefix: str) -> dict[bytes, bytes | None]:
-    """Every key but turn-scoped ones, queues and the workers' heartbeats, with its value: what bad
-    input must leave as it was. Conversation leases included: bad input is refused before the turn
-    takes the lease."""
-    r = redis.Redis.from_url(url)
+    """Every key but turn-scoped ones (their shard pointers too), queues and the workers' heartbeats,
+    with its value: what bad input must leave as it was. Conversation leases included: bad input is
+    refused before the turn takes the lease."""
+    r = sync_client(url)
     state: dict[bytes, bytes | None] = {}
     for key in r.scan_iter(f"{prefix}:*", count=1000):
-        name = key.decode()
-        if name.startswith((f"{prefix}:turn:", f"{prefix}:q:")) or liveness_key(name, prefix):
+        name = _unscoped(key.decode(), prefix)
+        if name.startswith((f"{prefix}:turn:", f"{prefix}:turnshard:", f"{prefix}:q:")) or liveness_key(name, prefix):
             continue
         state[key] = r.dump(key)
     r.close()
@@ -204,7 +210,9 @@ def _conversation_keys(client: Client, conversation_ids: Sequence[str]) -> dict[
     r = client.redis
     dump: dict[str, Any] = {}
     for cid in conversation_ids:
-        for raw in sorted(r.scan_iter(f"{client.keys.prefix}:conv:{{{cid}}}*", count=1000)):
+        conversation = client.keys.conversation(cid)  # every other key of it is `<this>:<part>`
+        found = [*r.scan_iter(conversation, count=1000), *r.scan_iter(f"{conversation}:*", count=1000)]
+        for raw in sorted(found):
             key = raw.decode()
             kind = r.type(raw).decode()
             if kind == "hash":

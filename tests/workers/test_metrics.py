@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
 from tests.support.clocks import turn_times
 from tests.support.local_http import free_port
-from tests.support.turns import python_model, raw_message, wait_for_event
+from tests.support.turns import layout_env, python_model, raw_message, wait_for_event
 from tests.support.wait import poll, wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -146,12 +146,12 @@ def test_health_and_paths(served: Served) -> None:
 def test_every_metric_moves_with_real_turns(served: Served) -> None:
     client, port = served.client, served.port
     before = scrape(port)
-    # a message that has waited 30 s on the queue nobody serves: its depth and age
+    # a message that has waited 30 s on the queue nobody serves (in one shard of a sharded layout): its depth and age
     waiting = f"old-{uuid.uuid4().hex[:8]}"
-    ns = f"{served.prefix}:q"
-    served.redis.hset(f"{ns}:{UNSERVED}.msgs", waiting, raw_message(
+    shard = client.keys.on(0)
+    served.redis.hset(shard.queue_messages(UNSERVED), waiting, raw_message(
         UNSERVED, waiting, UNSERVED, [{}], message_timestamp=int(time.time() * 1000) - 30_000))
-    served.redis.rpush(f"{ns}:{UNSERVED}", waiting)
+    served.redis.rpush(shard.queue(UNSERVED), waiting)
 
     # a long stream, cancelled in the middle
     slow = client.submit(turn(agent(client, python_model("streaming", words=3000, delay_ms=10)), "talk"))
@@ -299,7 +299,7 @@ def log_lines() -> Iterator[io.StringIO]:
 
 def test_spans_per_turn_and_stage_with_the_model_call_inside(
         inprocess: Callable[..., InProcessWorker], spans: InMemorySpanExporter, log_lines: io.StringIO) -> None:
-    worker = inprocess()
+    worker = inprocess(env=layout_env())
     client = worker.client
     client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
     turn_id = client.submit(turn("echo", "trace me"))

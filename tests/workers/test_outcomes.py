@@ -18,13 +18,14 @@ from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest, ModelRe
 
 from tests.conftest import ROOT, AgentFactory, WorkerPool, turn
 from tests.support.clocks import stamped, turn_times
-from tests.support.turns import all_events, assert_one_terminal, python_model, records, wait_for_event
+from tests.support.turns import all_events, assert_one_terminal, keys_of, python_model, records, wait_for_event
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.contracts import TURN_SCHEMA, new_conversation_id
 from threadline.pipeline.streaming import TRUNCATED
 from threadline.workers.clients.client import Client
+from threadline.workers.protocol.keys import Keys
 
 pytestmark = pytest.mark.integration
 
@@ -371,20 +372,20 @@ def test_events_follow_shows_deltas_while_the_model_is_still_streaming(
     assert text_of(shown) == shown[-1].answer
 
 
-def _wait_until_processed(client: Client, messages: list[tuple[str, str]], timeout_s: float = 20) -> None:
-    """Until every (queue, message id) was handled and acknowledged: dramatiq deletes a message's body
-    from `<queue>.msgs` when it acks it (a retried one sits in `<queue>.DQ.msgs` meanwhile)."""
+def _wait_until_processed(client: Client, keys: Keys, messages: list[tuple[str, str]], timeout_s: float = 20) -> None:
+    """Until every (queue, message id) of `keys`' shard was handled and acknowledged: dramatiq deletes a
+    message's body from `<queue>.msgs` when it acks it (a retried one sits in `<queue>.DQ.msgs` meanwhile)."""
     deadline = time.monotonic() + timeout_s
     pending = list(messages)
     while pending:
         pending = [(q, mid) for q, mid in pending
-                   if client.redis.hexists(client.keys.queue_messages(q), mid)
-                   or client.redis.hexists(client.keys.queue_messages(f"{q}.DQ"), mid)]
+                   if client.redis.hexists(keys.queue_messages(q), mid)
+                   or client.redis.hexists(keys.queue_messages(f"{q}.DQ"), mid)]
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"not processed: {pending}")
         time.sleep(0.02)
     for queue, mid in messages:
-        assert not client.redis.zscore(f"{client.keys.queue(queue)}.XQ", mid), f"{queue} {mid} was dead-lettered"
+        assert not client.redis.zscore(keys.dead_queue(queue), mid), f"{queue} {mid} was dead-lettered"
 
 
 def test_usage_is_recorded_once_even_when_every_stage_message_is_delivered_again(
@@ -394,25 +395,27 @@ def test_usage_is_recorded_once_even_when_every_stage_message_is_delivered_again
     tenant = f"tenant-{uuid.uuid4().hex[:8]}"
     request = {**turn(agent, "count me once"), "tenant_id": tenant}
     terminal = client.wait(client.submit(request), timeout_s=30)
-    usage_key = client.keys.usage(tenant)
+    keys = keys_of(client, terminal.turn_id)  # the turn's shard: its usage, queues and artifacts
+    usage_key = keys.usage(tenant)
     usage = client.redis.hgetall(usage_key)
     assert int(usage[b"turns"]) == 1 and int(usage[b"requests"]) == 1
     events_before = all_events(client, terminal.turn_id)
 
     # deliver every stage's message again, and the original request
     turn_id = terminal.turn_id
-    delivered = [(stage, client.enqueue(stage, stage, ({"v": 1, "turn_id": turn_id, "stage": stage, "attempt": 1},)))
+    delivered = [(stage, client.enqueue(stage, stage, ({"v": 1, "turn_id": turn_id, "stage": stage, "attempt": 1},),
+                                        shard=keys.shard))
                  for stage in ("history", "map", "invoke", "persist")]
     # as `client.submit` enqueues it, but keeping the message id to wait for
     body = {"schema": TURN_SCHEMA, **request, "turn_id": turn_id}
     delivered.append(("resolve", client.enqueue("resolve", "resolve", (body,), turn_id=turn_id,
                                                 conversation_id=new_conversation_id(turn_id))))
-    _wait_until_processed(client, delivered)
+    _wait_until_processed(client, keys, delivered)
     assert client.redis.hgetall(usage_key) == usage
     assert all_events(client, turn_id) == events_before
     assert len(client.messages(conversation_of(terminal))) == 1
     assert client.turn_state(turn_id).status == "succeeded"
-    assert not list(client.redis.scan_iter(f"{client.keys.prefix}:turn:{turn_id}:art:*")), "artifacts came back"
+    assert not list(client.redis.scan_iter(keys.artifact(turn_id, "*"))), "artifacts came back"
 
 
 def test_a_stage_that_raises_on_every_attempt_gives_up_with_one_internal_error(
@@ -431,12 +434,13 @@ def test_a_stage_that_raises_on_every_attempt_gives_up_with_one_internal_error(
     assert_one_terminal(client, turn_id)
     assert len([r for r in records(record) if r["event"] == "build"]) == 2  # the delivery and its one retry
 
-    dead_letters = f"{client.keys.queue('invoke')}.XQ"
+    keys = keys_of(client, turn_id)
+    dead_letters = keys.dead_queue("invoke")
     deadline = time.monotonic() + 10
     while not client.redis.zcard(dead_letters) and time.monotonic() < deadline:
         time.sleep(0.05)
     (dead,) = client.redis.zrange(dead_letters, 0, -1)
-    body = client.redis.hget(f"{dead_letters}.msgs", dead)
+    body = client.redis.hget(keys.dead_queue_messages("invoke"), dead)
     assert body is not None and turn_id.encode() in body
 
     conversation = conversation_of(terminal)
@@ -444,5 +448,5 @@ def test_a_stage_that_raises_on_every_attempt_gives_up_with_one_internal_error(
     assert (row.status, row.error_code) == ("failed", "internal_error")
     assert client.turn_state(turn_id).status == "failed"
     assert not client.redis.hexists(client.keys.lease(conversation), "turn"), "the conversation was released"
-    assert not list(client.redis.scan_iter(f"{pool.prefix}:turn:{turn_id}:art:*"))
+    assert not list(client.redis.scan_iter(keys.artifact(turn_id, "*")))
     client.close()

@@ -14,7 +14,15 @@ import pytest
 
 from tests.conftest import WorkerPool, turn
 from tests.support.clocks import stamped
-from tests.support.turns import assert_gapless, assert_one_terminal, holder_pid, python_model, records, wait_for_event
+from tests.support.turns import (
+    assert_gapless,
+    assert_one_terminal,
+    holder_pid,
+    keys_of,
+    python_model,
+    records,
+    wait_for_event,
+)
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
@@ -106,7 +114,7 @@ def test_a_turn_that_stalls_more_than_max_recoveries_times_ends_failed_once(
     assert "history" not in state.done
 
     isolated(FAST_RECOVERY).start(processes=1, queues=("history",))
-    history = client.keys.queue_messages("history")
+    history = keys_of(client, turn_id).queue_messages("history")
     deadline = time.monotonic() + 15
     while client.redis.hlen(history) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -13,7 +13,15 @@ import pytest
 
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
 from tests.support.clocks import stamped
-from tests.support.turns import assert_gapless, holder_pid, keys_of, python_model, records, wait_for_event
+from tests.support.turns import (
+    assert_gapless,
+    holder_pid,
+    keys_of,
+    layout_env,
+    python_model,
+    records,
+    wait_for_event,
+)
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -100,7 +108,7 @@ SLOW_GRAPH = DEFAULT_GRAPH.with_stage(Stage("slow", "transform", slow), after="m
 
 
 def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) -> None:
-    worker = InProcessWorker(redis_url, SLOW_GRAPH)
+    worker = InProcessWorker(redis_url, SLOW_GRAPH, env=layout_env())
     client = worker.client
     try:
         client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
@@ -120,8 +128,9 @@ def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) 
         state = client.turn_state(turn_id)
         assert state.status == "running" and "slow" in state.done
         # its hand-over happened: the next stage waits on its queue for any other worker
-        assert client.redis.llen(client.keys.queue(SLOW_GRAPH.next("slow").queue)) == 1  # type: ignore[union-attr]
-        assert client.redis.hget(keys_of(client, turn_id).turn(turn_id), "holder") is None
+        keys = keys_of(client, turn_id)
+        assert client.redis.llen(keys.queue(SLOW_GRAPH.next("slow").queue)) == 1  # type: ignore[union-attr]
+        assert client.redis.hget(keys.turn(turn_id), "holder") is None
     finally:
         drop_prefix(client.redis, worker.prefix)
         client.close()
@@ -133,12 +142,15 @@ def test_stopping_workers_put_back_what_they_fetched_and_say_goodbye(redis_url: 
     prefix = f"tlg{uuid.uuid4().hex[:8]}"
     pool = WorkerPool(redis_url, prefix, tmp_path).start(processes=1)
     r = sync_client(redis_url)
+    with Client(redis_url, prefix=prefix) as client:
+        keys = client.keys  # the layout the worker stored
+    heartbeats = keys.worker("*")
     try:
-        wait_until(lambda: bool(list(r.scan_iter(f"{prefix}:worker:*"))), timeout_s=10)  # its first heartbeat
+        wait_until(lambda: bool(list(r.scan_iter(heartbeats))), timeout_s=10)  # its first heartbeat
         pool.stop()
         assert pool.procs[0].returncode == 0
-        assert not list(r.scan_iter(f"{prefix}:worker:*"))
-        assert not [k for k in r.scan_iter(f"{prefix}:q:__acks__.*") if r.scard(k)]
+        assert not list(r.scan_iter(heartbeats))
+        assert not [k for shard in keys.every_shard() for k in r.scan_iter(shard.acks("*", "*")) if r.scard(k)]
     finally:
         pool.stop()
         drop_prefix(r, prefix)

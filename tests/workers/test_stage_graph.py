@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.conftest import InProcessWorker, turn
+from tests.support.turns import layout_env
 from threadline.pipeline import events
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.history import decode_messages
@@ -26,7 +27,7 @@ GRAPH = DEFAULT_GRAPH.with_stage(Stage("audit", "transform", audit), after="map"
 
 
 def test_a_stage_added_to_the_table_runs_for_every_turn(inprocess: Callable[..., InProcessWorker]) -> None:
-    worker = inprocess(graph=GRAPH)
+    worker = inprocess(graph=GRAPH, env=layout_env())
     client = worker.client
     client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
     conversation = None
@@ -45,4 +46,4 @@ def test_a_stage_added_to_the_table_runs_for_every_turn(inprocess: Callable[...,
         assert [m["text"] for m in json.loads(terminal.answer)["messages"] if m["role"] == "user"] == [
             f"question {i}" for i in range(1, n + 1)]
     # the artifacts of every stage, the added one's too, are gone once the turns ended
-    assert not list(client.redis.scan_iter(f"{worker.prefix}:turn:*:art:*"))
+    assert not [k for shard in client.keys.every_shard() for k in client.redis.scan_iter(shard.artifact("*", "*"))]
