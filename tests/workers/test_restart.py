@@ -69,8 +69,10 @@ def test_turns_complete_after_the_server_restarts(restartable: Restartable, tmp_
 
         # once resubscribed, a hand-off is rung again: every hop of a turn (on the server's clock, from
         # one stage's end to the next one's start) is a small part of a poll interval
+        # (the sharded layout's doorbells are shard channels, one per shard, counted by SHARDNUMSUB)
         doorbells = [k.doorbell_channel() for k in client.keys.every_shard()]
-        wait_until(lambda: all(n >= 1 for _, n in client.redis.pubsub_numsub(*doorbells)), timeout_s=30)
+        numsub = client.redis.pubsub_shardnumsub if client.keys.shards else client.redis.pubsub_numsub
+        wait_until(lambda: all(n >= 1 for _, n in numsub(*doorbells)), timeout_s=30)
         third = client.wait(client.submit(turn("restart-bot", "quick")), timeout_s=IDLE_POLL_S * 3)
         assert isinstance(third, ev.Succeeded), third
         hops = hops_s(client, third.turn_id)
