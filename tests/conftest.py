@@ -250,7 +250,9 @@ class InProcessWorker:
     def __init__(self, url: str, graph: StageGraph, env: dict[str, str] | None = None, threads: int = 4) -> None:
         self.url = url
         self.prefix = f"tlp{uuid.uuid4().hex[:8]}"
-        base = Settings.from_env({"TL_ALLOW_PYTHON_PLUGINS": "1", "TL_LOG_FORMAT": "json", **(env or {})})
+        # the session's key layout (TL_SHARDS: set on a cluster) unless `env` names one
+        layout = {"TL_SHARDS": os.environ.get("TL_SHARDS") or "0"}
+        base = Settings.from_env({"TL_ALLOW_PYTHON_PLUGINS": "1", "TL_LOG_FORMAT": "json", **layout, **(env or {})})
         self.settings = dataclasses.replace(base, redis_url=url, prefix=self.prefix)
         self.broker, self.worker = start_worker(self.settings, url, graph=graph, threads=threads)
         self.client = Client(url, prefix=self.prefix)

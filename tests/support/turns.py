@@ -5,7 +5,6 @@ message as a raw producer writes it."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -50,12 +49,6 @@ def keys_of(client: Client, turn_id: str) -> Keys:
     keys = client.turn_keys(turn_id)
     assert keys is not None, f"no turn {turn_id}"
     return keys
-
-
-def layout_env() -> dict[str, str]:
-    """The session's key layout (`TL_SHARDS`, set on a cluster) as settings for an in-process worker,
-    whose `Settings.from_env` reads only the env it is given."""
-    return {"TL_SHARDS": os.environ.get("TL_SHARDS") or "0"}
 
 
 def holder_pid(client: Client, turn_id: str) -> int:

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT, InProcessWorker, WorkerPool, drop_prefix, turn
 from tests.support.clocks import turn_times
 from tests.support.local_http import free_port
-from tests.support.turns import layout_env, python_model, raw_message, wait_for_event
+from tests.support.turns import python_model, raw_message, wait_for_event
 from tests.support.wait import poll, wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
@@ -299,7 +299,7 @@ def log_lines() -> Iterator[io.StringIO]:
 
 def test_spans_per_turn_and_stage_with_the_model_call_inside(
         inprocess: Callable[..., InProcessWorker], spans: InMemorySpanExporter, log_lines: io.StringIO) -> None:
-    worker = inprocess(env=layout_env())
+    worker = inprocess()
     client = worker.client
     client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
     turn_id = client.submit(turn("echo", "trace me"))

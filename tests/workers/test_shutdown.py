@@ -17,7 +17,6 @@ from tests.support.turns import (
     assert_gapless,
     holder_pid,
     keys_of,
-    layout_env,
     python_model,
     records,
     wait_for_event,
@@ -108,7 +107,7 @@ SLOW_GRAPH = DEFAULT_GRAPH.with_stage(Stage("slow", "transform", slow), after="m
 
 
 def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) -> None:
-    worker = InProcessWorker(redis_url, SLOW_GRAPH, env=layout_env())
+    worker = InProcessWorker(redis_url, SLOW_GRAPH)
     client = worker.client
     try:
         client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))

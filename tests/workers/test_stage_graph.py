@@ -9,7 +9,6 @@ from collections.abc import Callable
 import pytest
 
 from tests.conftest import InProcessWorker, turn
-from tests.support.turns import layout_env
 from threadline.pipeline import events
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.history import decode_messages
@@ -27,7 +26,7 @@ GRAPH = DEFAULT_GRAPH.with_stage(Stage("audit", "transform", audit), after="map"
 
 
 def test_a_stage_added_to_the_table_runs_for_every_turn(inprocess: Callable[..., InProcessWorker]) -> None:
-    worker = inprocess(graph=GRAPH, env=layout_env())
+    worker = inprocess(graph=GRAPH)
     client = worker.client
     client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
     conversation = None
