@@ -15,7 +15,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.history import SUMMARY_HEADER, decode_messages
 from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
-from threadline.workers.settings import Settings
+from threadline.workers.settings import Settings, shards_from_env
 from threadline.workers.storage.connect import async_plain_client
 from threadline.workers.storage.conversations import CachedCounts
 from threadline.workers.storage.store import Store
@@ -101,7 +101,8 @@ def test_a_cut_window_clears_old_tool_results_keeping_the_calls_and_counting_the
 
 
 async def test_clearing_writes_only_while_no_turn_runs_and_the_snapshots_are_the_ones_read(redis_url: str) -> None:
-    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlc{uuid.uuid4().hex[:8]}", redis_url=redis_url)
+    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlc{uuid.uuid4().hex[:8]}", redis_url=redis_url,
+                                   shards=shards_from_env())  # the session's layout (a cluster's needs shards)
     store = Store(async_plain_client(redis_url), settings, DEFAULT_GRAPH)
     k, cid, r = store.keys, "c1", store.redis
     try:

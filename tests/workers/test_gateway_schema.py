@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from tests.conftest import drop_prefix
 from threadline.workers.gateway.app import create_app
 from threadline.workers.protocol.keys import Keys
-from threadline.workers.settings import Settings
+from threadline.workers.settings import Settings, shards_from_env
 from threadline.workers.storage.api_keys import create_key
 from threadline.workers.storage.connect import sync_client
 
@@ -26,9 +26,11 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def gateway(redis_url: str) -> Iterator[tuple[Any, str]]:
     prefix = f"tlg{uuid.uuid4().hex[:8]}"
-    app = create_app(dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url), redis_url)
+    shards = shards_from_env()  # the session's layout (a cluster's needs shards)
+    config = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url, shards=shards)
+    app = create_app(config, redis_url)
     r = sync_client(redis_url)
-    key = create_key(r, Keys(prefix), "tenant-s", admin=True)
+    key = create_key(r, Keys(prefix, shards), "tenant-s", admin=True)
     yield app, key
     drop_prefix(r, prefix)
     r.close()

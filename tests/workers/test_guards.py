@@ -48,7 +48,7 @@ def raw_events(client: Client, turn_id: str) -> list[str]:
 def stored_values(client: Client, conversation_id: str, turn_id: str) -> str:
     """Every value stored under the conversation's and the turn's keys, as one text."""
     out: list[str] = []
-    for pattern in (f"{client.keys.prefix}:conv:{{{conversation_id}}}*", f"{client.keys.prefix}:turn:{turn_id}*"):
+    for pattern in (f"{client.keys.conversation(conversation_id)}*", f"{keys_of(client, turn_id).turn(turn_id)}*"):
         for key in client.redis.scan_iter(pattern, count=1000):
             kind = client.redis.type(key).decode()
             value: Any = {"string": client.redis.get, "hash": client.redis.hgetall,

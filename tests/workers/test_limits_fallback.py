@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.cluster import RedisCluster
 
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.clocks import turn_times
@@ -111,10 +112,13 @@ def test_max_concurrency_holds_across_worker_processes(workers: WorkerPool, clie
     assert not client.redis.exists(client.keys.model_limit(agent)), "every slot was given back"
 
 
-def slot_asks(client: Client) -> int:
-    """How many times the server ran the slot script so far (its first command: the script is the
-    only user of ZREMRANGEBYSCORE). Other tests' limited turns can only add to it."""
-    stats: Any = client.redis.info("commandstats")
+def slot_asks(client: Client, holders: str) -> int:
+    """How many times the server (on a cluster: the node of the agent's `holders` key) ran the slot
+    script so far (its first command: the script is the only user of ZREMRANGEBYSCORE). Other
+    tests' limited turns can only add to it."""
+    r = client.redis
+    on_node = {"target_nodes": r.get_node_from_key(holders)} if isinstance(r, RedisCluster) else {}
+    stats: Any = r.info("commandstats", **on_node)
     return int(stats.get("cmdstat_zremrangebyscore", {}).get("calls", 0))
 
 
@@ -127,8 +131,8 @@ def test_cancelling_a_turn_that_waits_for_a_slot(workers: WorkerPool, client: Cl
     turn_id = client.submit(turn(agent, "wait for it"))
     wait_until(lambda: any(isinstance(e, ev.StageEvent) and e.stage == "invoke"
                            for e in client.events(turn_id)))
-    asked = slot_asks(client)
-    wait_until(lambda: slot_asks(client) >= asked + 3)  # well into the wait: the backoff has asked a few times
+    asked = slot_asks(client, holders)
+    wait_until(lambda: slot_asks(client, holders) >= asked + 3)  # well into the wait: the backoff has asked a few times
     client.cancel(turn_id, "no more waiting")
     terminal = client.wait(turn_id, timeout_s=60)
     assert isinstance(terminal, ev.Cancelled), terminal

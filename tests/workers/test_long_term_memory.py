@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import AgentFactory, WorkerPool, turn
 from tests.support.strict_server import StrictChatServer, message_text
+from tests.support.turns import keys_of
 from tests.support.wait import poll
 from threadline.pipeline import events as ev
 from threadline.pipeline.memory import MemoryRecord, Scope
@@ -102,7 +103,7 @@ def test_forget_all_leaves_no_trace_of_the_memory_outside_the_conversations_it_c
     assert "Zorblax" not in later.answer and RECALL_HEADER not in later.answer
     # what the user said stays where it was said (the conversation and its turn, deleted with the
     # conversation); nothing else under the prefix holds the memory's text or its ids
-    owned = (f":conv:{{{said.conversation_id}}}", f":turn:{said.turn_id}")
+    owned = (client.keys.conversation(said.conversation_id), keys_of(client, said.turn_id).turn(said.turn_id))
     needles = [b"Zorblax", b"Quuxtown", *(r.id.encode() for r in records)]
     found = [key for key in client.redis.scan_iter(f"{client.keys.prefix}:*", count=1000)
              if not any(o in key.decode() for o in owned) and any(n in dump(client, key) for n in needles)]
