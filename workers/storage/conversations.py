@@ -8,8 +8,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from redis.exceptions import WatchError
-
 from threadline.pipeline.config import AgentConfig, config_from_json
 from threadline.pipeline.errors import AgentNotFound, ConversationNotFound
 from threadline.pipeline.records import ConversationRecord, MessageRecord
@@ -186,54 +184,32 @@ class ConversationStore(StoreBase):
     async def clear_tool_results(self, conversation_id: str, snapshots: Mapping[str, tuple[bytes, bytes]], *,
                                  counts: Mapping[str, int], tokenizer: str) -> ClearStatus:
         """Replace turns' snapshots (`message id -> (stored, cleared)`), each with its content version
-        bumped and its count under the new version, in one transaction; fenced like `save_summary`,
-        and more: nothing is written while a turn of the conversation holds it ("busy"), once the
-        conversation is gone, or when a snapshot is no longer the one read ("changed")."""
+        bumped and its count under the new version, in one script (clear_tool_results.lua); fenced
+        like `save_summary`, and more: nothing is written while a turn of the conversation holds it
+        ("busy"), once the conversation is gone, or when a snapshot or its version is no longer the
+        one read ("changed"): a later cut clears what is left."""
         k, ids = self.keys, list(snapshots)
-        watched = (k.conversation(conversation_id), k.lease(conversation_id), k.snapshots(conversation_id),
-                   k.token_counts(conversation_id))
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for _ in range(3):  # best effort, as compaction is: a later cut clears what is left
-                try:
-                    await pipe.watch(*watched)
-                    if not await pipe.exists(watched[0]):
-                        return "gone"
-                    if await pipe.hexists(watched[1], "turn"):
-                        return "busy"
-                    stored = await pipe.hmget(watched[2], ids)
-                    if [as_bytes(v) for v in stored] != [snapshots[mid][0] for mid in ids]:
-                        return "changed"
-                    versions = [int(v or 0) for v in await pipe.hmget(watched[3], [version_field(m) for m in ids])]
-                    pipe.multi()  # type: ignore[no-untyped-call]
-                    for mid, version in zip(ids, versions, strict=True):
-                        pipe.hset(watched[2], mid, snapshots[mid][1])
-                        pipe.hdel(watched[3], count_field(mid, version, tokenizer))
-                        pipe.hset(watched[3], mapping={version_field(mid): version + 1,
-                                                       count_field(mid, version + 1, tokenizer): counts[mid]})
-                    await pipe.execute()
-                    return "cleared"
-                except WatchError:
-                    continue
-        return "busy"
+        counts_key = k.token_counts(conversation_id)
+        read = await self.redis.hmget(counts_key, [version_field(m) for m in ids])
+        versions = [int(v or 0) for v in read]
+        turns = [{"id": mid, "version_field": version_field(mid), "version": version, "count": counts[mid],
+                  "old_count": count_field(mid, version, tokenizer),
+                  "new_count": count_field(mid, version + 1, tokenizer)}
+                 for mid, version in zip(ids, versions, strict=True)]
+        values = [value for mid in ids for value in snapshots[mid]]
+        reply = await self._run("clear_tool_results", [k.conversation(conversation_id), k.lease(conversation_id),
+                                                       k.snapshots(conversation_id), counts_key],
+                                lua.payload(turns=turns), *values)
+        return cast(ClearStatus, text(reply))
 
     async def save_decision(self, conversation_id: str, message_id: str, stage: str,
                             record: Mapping[str, Any]) -> None:
         """A decision record of a stage that runs after the turn (compaction), while the conversation
-        exists (a delete in between must not find it written back)."""
-        conversation = self.keys.conversation(conversation_id)
+        exists (a delete in between must not find it written back: conversation_write.lua)."""
         value = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for _ in range(3):
-                try:
-                    await pipe.watch(conversation)
-                    if not await pipe.exists(conversation):
-                        return
-                    pipe.multi()  # type: ignore[no-untyped-call]
-                    pipe.hset(self.keys.decisions(conversation_id), f"{message_id}:{stage}", value)
-                    await pipe.execute()
-                    return
-                except WatchError:
-                    continue
+        await self._run("conversation_write", [self.keys.conversation(conversation_id),
+                                               self.keys.decisions(conversation_id)],
+                        lua.payload(field=f"{message_id}:{stage}"), value)
 
     async def summaries(self, conversation_id: str, message_ids: Sequence[str]) -> dict[str, str]:
         """Running summaries by watermark message id (`finish`-then-compaction writes them)."""
@@ -245,20 +221,10 @@ class ConversationStore(StoreBase):
     async def save_summary(self, conversation_id: str, watermark: str, record: Mapping[str, Any]) -> None:
         """Stored only while the conversation exists: compaction runs after its turn ended, so a
         delete may come between its read and this write, and must not find the summary written back."""
-        conversation = self.keys.conversation(conversation_id)
         value = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for _ in range(3):  # best effort, as compaction is: the next turn's covers the same turns
-                try:
-                    await pipe.watch(conversation)  # a turn ending meanwhile also touches it: try again
-                    if not await pipe.exists(conversation):
-                        return
-                    pipe.multi()  # type: ignore[no-untyped-call]
-                    pipe.hset(self.keys.summaries(conversation_id), watermark, value)
-                    await pipe.execute()
-                    return
-                except WatchError:
-                    continue
+        await self._run("conversation_write", [self.keys.conversation(conversation_id),
+                                               self.keys.summaries(conversation_id)],
+                        lua.payload(field=watermark), value)
 
     async def delete_conversation(self, conversation_id: str, *, tenant_id: str | None = None) -> DeleteResult:
         """Delete a conversation and its turns' keys, unless a turn of it runs or waits (see

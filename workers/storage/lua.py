@@ -31,6 +31,7 @@ ScriptName = Literal[
     "dispatch", "agent_version", "agent_activate", "slot_acquire", "slot_renew", "slot_release",
     "delete_conversation", "dead_letter_replay", "dead_letter_purge", "heartbeat", "reap", "rate_limit",
     "memory_apply", "memory_forget", "memory_note", "memory_lease", "webhook_attempt", "webhook_retry",
+    "conversation_write", "clear_tool_results",
 ]
 #: The scripts of the turn state machine (the broker's `dispatch` and `dead_letter`, the agent registry's `agent_*`,
 #: the operations' `dead_letter_*`, a worker's `heartbeat` and the gateway's `rate_limit` are registered by
@@ -38,6 +39,7 @@ ScriptName = Literal[
 SCRIPT_NAMES: tuple[ScriptName, ...] = (
     "submit", "admit", "begin", "advance", "retry", "finish", "stalled", "emit", "cancel", "release",
     "slot_acquire", "slot_renew", "slot_release", "delete_conversation", "reap", "webhook_attempt", "webhook_retry",
+    "conversation_write", "clear_tool_results",
 )
 
 
