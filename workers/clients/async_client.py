@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from threadline.pipeline.busy import OnBusy, interrupts, named_on_busy
 from threadline.pipeline.errors import InvalidRequest
-from threadline.pipeline.ids import new_conversation_id, valid_turn_id
+from threadline.pipeline.ids import new_conversation_id, valid_id, valid_turn_id
 from threadline.pipeline.terminal import TERMINAL_TYPES
 from threadline.workers.clients.common import (
     ADMIT_ACTOR,
@@ -187,7 +187,7 @@ class AsyncClient:
         body = {"schema": "threadline.turn/v1", **request, **({"on_busy": on_busy} if on_busy else {})}
         body.setdefault("turn_id", uuid.uuid4().hex)
         turn_id = str(body["turn_id"])
-        cid = str(body.get("conversation_id") or new_conversation_id(turn_id))
+        cid = valid_id(body.get("conversation_id")) or new_conversation_id(turn_id)  # as Client.submit
         await self._enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=cid, turn_id=turn_id, owner=None,
                             on_busy=named_on_busy(body.get("on_busy")))
         return AsyncTurnHandle(turn_id, self)

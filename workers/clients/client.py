@@ -259,8 +259,9 @@ class Client:
         body.setdefault("turn_id", uuid.uuid4().hex)
         turn_id = str(body["turn_id"])
         # a first turn takes its place in the line of the conversation it will start, so follow-ups
-        # that name that conversation before it exists wait behind it
-        conversation_id = body.get("conversation_id") or new_conversation_id(turn_id)
+        # that name that conversation before it exists wait behind it (an invalid id names none, as
+        # for the admit stage that refuses it)
+        conversation_id = valid_id(body.get("conversation_id")) or new_conversation_id(turn_id)
         self.enqueue(ADMIT_QUEUE, ADMIT_ACTOR, (body,), conversation_id=str(conversation_id), turn_id=turn_id,
                      on_busy=named_on_busy(body.get("on_busy")))
         return TurnHandle(turn_id, self)

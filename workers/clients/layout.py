@@ -21,7 +21,7 @@ from typing import Any, Final
 import redis
 import redis.asyncio as aioredis
 
-from threadline.pipeline.ids import new_conversation_id
+from threadline.pipeline.ids import new_conversation_id, valid_id
 from threadline.workers.protocol.keys import TURN_SHARD_SLACK_S, Keys, layout_record, layout_shards
 from threadline.workers.protocol.schema import text
 from threadline.workers.settings import shards_from_env
@@ -66,10 +66,12 @@ async def async_layout_keys(client: aioredis.Redis, prefix: str, own: int) -> Ke
 
 def request_shard(keys: Keys, conversation_id: str | None, turn_id: str | None) -> int | None:
     """The shard of a turn (None in one server's layout): its conversation's, or the one its first
-    turn starts (`new_conversation_id`); a message that names neither goes to shard 0."""
+    turn starts (`new_conversation_id`); a message that names neither goes to shard 0. The rule the
+    admit stage checks (`runners/admit.py`): a conversation id that is no valid id counts as none
+    (the turn is refused on the shard of the conversation its id would start)."""
     if not keys.shards:
         return None
-    if conversation_id:
+    if conversation_id := valid_id(conversation_id):
         return keys.shard_of(conversation_id)
     return keys.shard_of(new_conversation_id(turn_id)) if turn_id else 0
 
