@@ -1,7 +1,7 @@
 """Every event stream of a gateway process read by ONE task on ONE connection, fanned out to queues.
 
 A stream is a subscriber: a queue and a position (the last entry id it was given). It first reads
-its backlog after `after` itself, with non-blocking XREADs on the request pool, then joins the hub.
+its backlog after `after` itself, with non-blocking XRANGEs on the request pool, then joins the hub.
 The hub's task loops on one `XREAD BLOCK ... STREAMS k1 k2 ... id1 id2 ...` over every open turn's
 stream key, each from the lowest position among its subscribers, on a connection of its own; each
 entry goes to every subscriber of its key whose position is before it (so a subscriber that joins
@@ -138,9 +138,12 @@ class StreamHub:
             self._leave(sub)
 
     async def _backlog(self, sub: Subscriber) -> bool:
-        """Read what is there after the subscriber's position (non-blocking); True when it ended."""
+        """Read what is there after the subscriber's position (non-blocking); True when it ended. An
+        `XRANGE` from just after it: a cluster client routes it by its key, where an `XREAD` would
+        first ask a node for its keys (`COMMAND GETKEYS`), on one connection shared by every request."""
         while True:
-            found = stream_entries(await self.requests.xread({sub.key: sub.position}, count=COUNT))
+            entries = await self.requests.xrange(sub.key, min=f"({sub.position}", count=COUNT)
+            found = stream_entries([(sub.key, entries)])
             for entry_id, event in found:
                 if sub.offer(entry_id, event):
                     return True
