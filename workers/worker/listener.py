@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
+from threadline.workers.protocol.schema import text
 from threadline.workers.storage.connect import is_cluster, nodes_serving
 
 if TYPE_CHECKING:
@@ -31,10 +32,6 @@ MAX_BACKOFF_S = 5.0
 READ_TIMEOUT_S = 1.0
 
 Handler = Callable[[str], None]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def shard_channel(channel: str) -> bool:
@@ -153,7 +150,7 @@ class Listener:
                 message = pubsub.get_message(timeout=READ_TIMEOUT_S)
                 if message is None:
                     continue
-                kind = _text(message["type"])
+                kind = text(message["type"])
                 if kind in ("subscribe", "ssubscribe"):
                     # one confirmation per channel; all confirmed: anything published from now on
                     # reaches us, so ring everyone once to fetch what was enqueued while we were away
@@ -163,9 +160,9 @@ class Listener:
                             self._reachability.ok("listener")
                         self._notify_reconnect()
                 elif kind in ("message", "smessage"):
-                    self._dispatch(_text(message["channel"]), _text(message["data"]))
+                    self._dispatch(text(message["channel"]), text(message["data"]))
                 elif kind == "sunsubscribe":  # the cluster moved the channel's slot to another node
-                    raise redis.ConnectionError(f"shard channel {_text(message['channel'])} moved")
+                    raise redis.ConnectionError(f"shard channel {text(message['channel'])} moved")
         finally:
             pubsub.close()
             client.close()
