@@ -31,21 +31,32 @@ def running_gateway(settings: Settings, url: str) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+def _client_lists(r: redis.Redis) -> Iterator[tuple[str, dict[str, object]]]:
+    """(node, entry) of CLIENT LIST on every server `r` reaches: each primary of a cluster."""
+    if isinstance(r, redis.RedisCluster):
+        for node in r.get_primaries():
+            for entry in r.client_list(target_nodes=node):
+                yield node.name, entry
+    else:
+        for entry in r.client_list():
+            yield "", entry
+
+
 def gateway_connections(r: redis.Redis, pid: int, *, besides: frozenset[str] = frozenset()) -> dict[str, int]:
     """The Redis connections of the gateways running in process `pid`, by kind (requests, health,
-    streams), from the names they give them in CLIENT LIST; but those whose CLIENT LIST id is in
-    `besides` (another gateway's of the same process, from `gateway_connection_ids`)."""
+    streams), from the names they give them in CLIENT LIST (on every primary of a cluster); but those
+    in `besides` (another gateway's of the same process, from `gateway_connection_ids`)."""
     mine = f"tl-gateway:{pid}:"
     kinds: dict[str, int] = {}
-    for entry in r.client_list():
+    for node, entry in _client_lists(r):
         name = str(entry.get("name", ""))
-        if name.startswith(mine) and str(entry.get("id")) not in besides:
+        if name.startswith(mine) and f"{node}/{entry.get('id')}" not in besides:
             kinds[name.removeprefix(mine)] = kinds.get(name.removeprefix(mine), 0) + 1
     return kinds
 
 
 def gateway_connection_ids(r: redis.Redis, pid: int) -> frozenset[str]:
-    """The CLIENT LIST ids of the gateway connections process `pid` holds now: taken before a test
+    """The gateway connections process `pid` holds now (node and CLIENT LIST id): taken before a test
     starts its own gateway, they leave out what earlier tests' gateways still hold."""
     mine = f"tl-gateway:{pid}:"
-    return frozenset(str(e.get("id")) for e in r.client_list() if str(e.get("name", "")).startswith(mine))
+    return frozenset(f"{node}/{e.get('id')}" for node, e in _client_lists(r) if str(e.get("name", "")).startswith(mine))

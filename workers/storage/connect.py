@@ -28,6 +28,12 @@ CLUSTER_CONNECTIONS_PER_NODE = 1024
 #: seconds with `cluster-node-timeout` 1 s; `tests/cluster`).
 CLUSTER_RETRIES = 20
 CLUSTER_BACKOFF_S = (0.1, 1.0)
+#: What an asyncio cluster client does on a MOVED reply: patch that slot's node and go on. redis-py's
+#: default (every 5th MOVED) closes *every* connection of the client, those other requests are using
+#: included, which then fail (`'NoneType' object has no attribute 'writelines'`): a burst of first
+#: commands on a client not yet initialized is routed to its default node, so that default turned a
+#: burst of 150 event streams on a gateway into 500s.
+CLUSTER_REINITIALIZE_STEPS = 0
 #: The URL schemes of a Redis Cluster, and the plain scheme each stands for.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -113,28 +119,35 @@ def async_client(url: str, *, max_connections: int, timeout_s: float, **options:
     """An asyncio client of `url` whose pool blocks up to `timeout_s` for one of `max_connections`
     (a cluster's holds up to `CLUSTER_CONNECTIONS_PER_NODE` per node instead)."""
     import redis.asyncio as aioredis
-    import redis.asyncio.cluster as aiocluster
 
-    plain = cluster_url(url)
-    if plain is None:
+    if not is_cluster(url):
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,
                                                         **options)
         return aioredis.Redis(connection_pool=pool)
-    return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(
-        plain, startup_nodes=_async_nodes(url), max_connections=CLUSTER_CONNECTIONS_PER_NODE, retry=_async_retry(),
-        **options))
+    return _async_cluster(url, **options)
 
 
 def async_plain_client(url: str, **options: Any) -> aioredis.Redis:
-    """An asyncio client of `url` with redis-py's default pool (a cluster's: per node)."""
+    """An asyncio client of `url` with redis-py's default pool (a cluster's: up to
+    `CLUSTER_CONNECTIONS_PER_NODE` per node)."""
     import redis.asyncio as aioredis
+
+    if not is_cluster(url):
+        return aioredis.Redis.from_url(url, **options)
+    return _async_cluster(url, **options)
+
+
+def _async_cluster(url: str, **options: Any) -> aioredis.Redis:
+    """redis-py's asyncio cluster client of the cluster `url` names. Its pool per node does not wait
+    when it is full (it raises `MaxConnectionsError`): its default cap of 100 turned a gateway's burst
+    of 150 event streams into 503s, so the cap is `CLUSTER_CONNECTIONS_PER_NODE`."""
     import redis.asyncio.cluster as aiocluster
 
     plain = cluster_url(url)
-    if plain is None:
-        return aioredis.Redis.from_url(url, **options)
-    return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(plain, startup_nodes=_async_nodes(url),
-                                                                 retry=_async_retry(), **options))
+    assert plain is not None
+    return cast("aioredis.Redis", aiocluster.RedisCluster.from_url(
+        plain, startup_nodes=_async_nodes(url), max_connections=CLUSTER_CONNECTIONS_PER_NODE, retry=_async_retry(),
+        reinitialize_steps=CLUSTER_REINITIALIZE_STEPS, **options))
 
 
 def _nodes(url: str) -> list[tuple[str, int]]:
