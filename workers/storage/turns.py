@@ -230,7 +230,7 @@ class TurnStore(StoreBase):
             fields["decision"] = json.dumps(decision, separators=(",", ":"))
         reply = await self._run(
             "advance",
-            [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, stage), k.running(), k.lease(cid),
+            [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, stage), k.lease(cid),
              k.conversation(cid), k.messages(cid), k.message_order(cid), k.queue_messages(queue), k.queue(queue),
              k.decisions(cid), k.tenant_conversations(accept.conversation.tenant_id if accept else "-")],
             lua.payload(stage=stage, turn_id=turn_id, fence=fence, now=now,

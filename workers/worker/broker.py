@@ -454,6 +454,8 @@ class DoorbellConsumer(_RedisConsumer):
         #: this consumer's (its making; the last ring of every shard).
         self._poll_since = time.monotonic()
         self._idle_ms = idle_ms
+        #: The last fetch took messages and left every queue it asked empty (`__next__`).
+        self._drained = False
 
     @property
     def sharded(self) -> bool:
@@ -643,9 +645,16 @@ class DoorbellConsumer(_RedisConsumer):
                     self.queued_message_ids.add(proxy.message_id)
                     self._hold(proxy)
                     return proxy
+                room = 0 if self.broker.closing else max(0, self.prefetch - self.outstanding_message_count)
+                if self._drained:
+                    # the last fetch emptied the queue, and the ring was cleared before it: unless it
+                    # rang since (an enqueue, an ack to send), another fetch now would find nothing
+                    self._drained = False
+                    if not self.ring.is_set():
+                        self.ring.wait(self._wait_s(room))
+                        return None
                 # Clear before fetching: a ring that lands during the fetch is not lost.
                 self.ring.clear()
-                room = 0 if self.broker.closing else max(0, self.prefetch - self.outstanding_message_count)
                 fetched = self._look(room)
                 if room:
                     self.broker.reachability.ok(self.queue_name)
@@ -669,6 +678,8 @@ class DoorbellConsumer(_RedisConsumer):
                     self._pending[shard] = None
         if room:
             self.message_cache = [m for shard, batch in fetched.items() for m in self._admit(batch, shard)]
+        # every shard asked answered fewer than asked for (the others did not ring)
+        self._drained = bool(room) and not self._pending and any(fetched.values())
         return any(fetched.values())
 
     def _plan(self, room: int) -> dict[Shard, int]:

@@ -28,8 +28,7 @@ local fields = {'stage', a.stage, 'progress_at', a.now}
 -- events are numbered from the `seq` read above, written back with the fields below
 local seq = tonumber(f[9] or '0')
 if a.claim ~= '' then
-  if redis.call('EXISTS', KEYS[6]) == 1 then return {'duplicate'} end
-  redis.call('SET', KEYS[6], a.claim, 'PX', a.claim_ttl_ms)
+  if not redis.call('SET', KEYS[6], a.claim, 'NX', 'PX', a.claim_ttl_ms) then return {'duplicate'} end
   attempt = tonumber(f[10] or '0') + 1
   fields[#fields + 1], fields[#fields + 2] = 'model_starts', attempt
   fields[#fields + 1], fields[#fields + 2] = 'attempt', attempt
@@ -40,8 +39,7 @@ if a.claim ~= '' then
   end
 end
 -- the watchdog takes the turn over as soon as its holder's heartbeat no longer lists it
-if a.holder and a.holder ~= '' then fields[#fields + 1], fields[#fields + 2] = 'holder', a.holder
-else redis.call('HDEL', turn, 'holder') end
+fields[#fields + 1], fields[#fields + 2] = 'holder', a.holder or ''
 if a.started ~= '' then
   seq = seq + 1
   append_event(events, seq, a.started, attempt)

@@ -50,7 +50,9 @@ if a.message_id ~= '' then
     redis.call('HSET', KEYS[6], 'tip', a.message_id, 'pending', a.pending)
   end
   redis.call('HINCRBY', KEYS[6], 'revision', 1)
-  for name, count in pairs(a.usage) do redis.call('HINCRBY', KEYS[12], name, count) end
+  for name, count in pairs(a.usage) do
+    if count ~= 0 then redis.call('HINCRBY', KEYS[12], name, count) end  -- a counter never added reads 0
+  end
   redis.call('HINCRBY', KEYS[12], 'turns', 1)
   if a.activity then redis.call('ZADD', KEYS[15], a.now, a.conversation_id) end
 end
