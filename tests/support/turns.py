@@ -54,7 +54,7 @@ def keys_of(client: Client, turn_id: str) -> Keys:
 def holder_pid(client: Client, turn_id: str) -> int:
     """The pid of the worker process running the turn's stage now (its worker id is host:pid:tag)."""
     holder = client.redis.hget(keys_of(client, turn_id).turn(turn_id), "holder")
-    assert holder is not None, "nobody holds the turn"
+    assert holder, "nobody holds the turn"  # absent, or "" (handed over)
     return int(holder.decode().split(":")[-2])
 
 

@@ -129,7 +129,7 @@ def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) 
         # its hand-over happened: the next stage waits on its queue for any other worker
         keys = keys_of(client, turn_id)
         assert client.redis.llen(keys.queue(SLOW_GRAPH.next("slow").queue)) == 1  # type: ignore[union-attr]
-        assert client.redis.hget(keys.turn(turn_id), "holder") is None
+        assert not client.redis.hget(keys.turn(turn_id), "holder")  # nobody holds it ("")
     finally:
         drop_prefix(client.redis, worker.prefix)
         client.close()

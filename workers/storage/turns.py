@@ -103,6 +103,18 @@ class Next:
 
 
 @dataclass(frozen=True, slots=True)
+class Settle:
+    """The stage's own message, acked by the script that hands its turn over (dispatch.lua's ack, in
+    the same step, so its worker sends no ack of its own): the queue it was fetched from, the id of the
+    worker's broker (whose ack set holds it) and its Redis message id. Its keys are the store's, of
+    the shard the message was fetched from (the store is bound to it)."""
+
+    queue: str
+    broker_id: str
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Accept:
     """What the end of the admit stage makes exist: the conversation (when new) and the row."""
 
@@ -126,6 +138,8 @@ class Finish:
     before: Sequence[events.Event] = ()
     #: POSTed the terminal event (a delivery created with it, once: docs/webhooks.md); "" = none.
     webhook_url: str = ""
+    #: The finish stage's own message, acked with the write when it answers "ok".
+    settle: Settle | None = None
 
 
 class TurnStore(StoreBase):
@@ -210,11 +224,12 @@ class TurnStore(StoreBase):
     async def advance(
         self, turn_id: str, stage: str, *, next_: Next, now: float, now_ms: int, artifact: str,
         events_: Sequence[events.Event] = (), fence: str = "", conversation_id: str = "", accept: Accept | None = None,
-        decision: Mapping[str, Any] | None = None,
+        decision: Mapping[str, Any] | None = None, settle: Settle | None = None,
     ) -> str:
         """Finish `stage` and enqueue `next_` in one atomic step; see advance.lua. `decision` is stored
         with the turn's message, for the record and for the next turn (`Store.decision`). An `accept`
-        into a conversation the turn may not write is refused: the answer is one of `REFUSALS`."""
+        into a conversation the turn may not write is refused: the answer is one of `REFUSALS`. The
+        message of `settle` is acked in the same step when the answer is "ok"."""
         k = self.keys
         queue, message_id, data = self._message(next_, now_ms)
         cid = conversation_id or "-"
@@ -228,11 +243,15 @@ class TurnStore(StoreBase):
             row = accept.row.model_dump_json()
         if decision:
             fields["decision"] = json.dumps(decision, separators=(",", ":"))
+        settled: list[str] = []
+        if settle is not None:
+            fields["settle_id"] = settle.message_id
+            settled = [k.acks(settle.broker_id, settle.queue), k.queue_messages(settle.queue)]
         reply = await self._run(
             "advance",
             [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, stage), k.lease(cid),
              k.conversation(cid), k.messages(cid), k.message_order(cid), k.queue_messages(queue), k.queue(queue),
-             k.decisions(cid), k.tenant_conversations(accept.conversation.tenant_id if accept else "-")],
+             k.decisions(cid), k.tenant_conversations(accept.conversation.tenant_id if accept else "-"), *settled],
             lua.payload(stage=stage, turn_id=turn_id, fence=fence, now=now,
                             artifact_ttl_ms=self.settings.artifact_ttl_s * 1000, next_id=message_id,
                             next_queue=queue, channel=k.doorbell_channel(),
@@ -286,8 +305,10 @@ class TurnStore(StoreBase):
              k.usage(f.tenant_id or "-"), k.queue_messages(admit_queue), k.queue(admit_queue), k.activity(),
              k.webhook(f.turn_id), k.webhooks(), k.queue_messages(WEBHOOK_QUEUE), k.queue(WEBHOOK_QUEUE),
              k.message_order(cid),
-             *(k.artifact(f.turn_id, s.name) for s in self.graph.turn_stages)],
+             *(k.artifact(f.turn_id, s.name) for s in self.graph.turn_stages),
+             *((k.acks(f.settle.broker_id, f.settle.queue), k.queue_messages(f.settle.queue)) if f.settle else ())],
             lua.payload(
+                artifacts=len(self.graph.turn_stages), settle_id=f.settle.message_id if f.settle else "",
                 turn_id=f.turn_id, status=f.event.type, conversation_id=f.conversation_id,
                 message_id=f.message.id if f.message else "", fence=f.fence, now=now, ttl_s=self.settings.turn_ttl_s,
                 usage=usage_counters(usage) if usage else {}, pending=json.dumps(list(f.pending_tool_calls)),

@@ -46,6 +46,7 @@ from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, json_too_deep
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
 from threadline.workers.storage.connect import is_cluster, sync_client
+from threadline.workers.storage.turns import Settle
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.calls import ModelCalls, default_model_calls
 from threadline.workers.worker.listener import Listener
@@ -134,6 +135,9 @@ class DoorbellBroker(RedisBroker):
         #: sends them with its next fetch of that shard (`DoorbellConsumer._exchange`); they stay held
         #: until then. (Redis ids are unique, so `held` needs no shard.)
         self.unsent_acks: dict[tuple[str, Shard], list[str]] = {}
+        #: The redis ids of held messages that the script handing their turn over acked (`settlement`):
+        #: dramatiq's ack of one sends nothing.
+        self.settled: set[str] = set()
         self.held_lock = threading.Lock()
         self._queue_keys: dict[tuple[str, Shard], list[str]] = {}
         #: Sharded layout: the queues consumed here by their poll interval (ms), polled together.
@@ -182,6 +186,17 @@ class DoorbellBroker(RedisBroker):
                 self._closed.wait(self.reachability.failed("enqueue", e))
         self.reachability.ok("enqueue")
         return enqueued
+
+    def settlement(self, message: Message[Any] | dramatiq.MessageProxy) -> Settle:
+        """What lets the stage's hand-over script ack `message` (`Store.advance`): no ack of its own
+        then, one round trip less per stage. The store acks it on the keys of the shard it is bound
+        to, which is the message's (`actors._message_shard`)."""
+        return Settle(message.queue_name, self.broker_id, message.options["redis_message_id"])
+
+    def settled_by_script(self, message: Message[Any] | dramatiq.MessageProxy) -> None:
+        """`message`'s ack went with its stage's hand-over (`settlement`)."""
+        with self.held_lock:
+            self.settled.add(message.options["redis_message_id"])
 
     def shard_of_message(self, message: Message[Any] | dramatiq.MessageProxy) -> Shard:
         """The shard a message belongs on: the one its consumer fetched it from (`SHARD_OPTION`);
@@ -501,7 +516,10 @@ class DoorbellConsumer(_RedisConsumer):
     def _ack(self, message: dramatiq.MessageProxy) -> None:
         """Acks ride on the consumer's next fetch of the message's shard, which the ack wakes: one round
         trip for a message done and the next one taken, not two. The message stays held (no orphan)
-        until its ack is sent; a stopping process sends it at once, as dramatiq does."""
+        until its ack is sent; a stopping process sends it at once, as dramatiq does. A message its
+        stage's hand-over acked (`DoorbellBroker.settlement`) sends nothing."""
+        if self._settled(message):
+            return
         shard = self.broker.shard_of_message(message)
         if self.broker.closing:
             try:
@@ -514,6 +532,21 @@ class DoorbellConsumer(_RedisConsumer):
             self.broker.unsent_acks.setdefault((self.queue_name, shard), []).append(message.options["redis_message_id"])
         self.queued_message_ids.discard(message.message_id)  # what dramatiq's ack does locally
         self.ring.set()
+
+    def _settled(self, message: dramatiq.MessageProxy) -> bool:
+        """Whether a script acked `message` already (`DoorbellBroker.settlement`); if so it is let go
+        here, and a consumer that was full is woken (it has room again: nothing else rings)."""
+        redis_id = message.options["redis_message_id"]
+        with self.broker.held_lock:
+            if redis_id not in self.broker.settled:
+                return False
+            self.broker.settled.discard(redis_id)
+            self.broker.held.get(self.queue_name, set()).discard(redis_id)
+        full = self.outstanding_message_count >= self.prefetch
+        self.queued_message_ids.discard(message.message_id)
+        if full:
+            self.ring.set()
+        return True
 
     def _exchange(self, counts: Mapping[Shard, int]) -> dict[Shard, list[bytes | None]]:
         """Send the unsent acks of the shards in `counts`, each with a fetch of up to `counts[shard]`
@@ -573,6 +606,9 @@ class DoorbellConsumer(_RedisConsumer):
         self._nack(message)
 
     def _nack(self, message: dramatiq.MessageProxy) -> None:
+        if self._settled(message):  # its stage handed over, then failed: the hand-over's ack stands
+            self._record_nack(message)
+            return
         try:
             self._settle("nack", message)
             self._release(message)

@@ -5,12 +5,15 @@
 -- KEYS[5] conversation   KEYS[6] conversation's messages   KEYS[7] conversation's message order
 -- KEYS[8] next queue's messages   KEYS[9] next queue   KEYS[10] conversation's decision records
 -- KEYS[11] the conversation's tenant's conversation index
+-- KEYS[12] the worker's ack set of this stage's queue   KEYS[13] that queue's messages (with settle_id)
 -- ARGV[1] JSON {stage, turn_id, fence ("" = not checked), now, artifact_ttl_ms, next_id,
 --               next_queue, channel, events: [event...],
 --               accept (absent, or {conversation: {field: value}, conversation_id, deadline_at,
 --               message_id, creates (the turn starts the conversation)}),
 --               decision (absent, or the stage's decision record as JSON text, kept under
---               "<message id = turn id>:<stage>")}
+--               "<message id = turn id>:<stage>"),
+--               settle_id (absent, or the Redis id of this stage's own message: acked here, as
+--               dispatch.lua's ack does, when the answer is 'ok')}
 -- ARGV[2] the artifact   ARGV[3] the next stage's message   ARGV[4] the pending message row
 -- Returns 'ok' | 'terminal' | 'done' | 'stale' | a refusal, nothing written: 'foreign_conversation'
 -- (another tenant's), 'conversation_exists' (a first turn's conversation exists), 'message_exists'
@@ -38,7 +41,9 @@ if a.accept then
     if #record > 0 then redis.call('HSET', KEYS[5], unpack(record)) end
   end
   redis.call('HSETNX', turn, 'deadline_at', a.accept.deadline_at)
-  if redis.call('HEXISTS', KEYS[6], a.accept.message_id) == 0 then
+  -- the row is there when the refusal passed over says so, or may be when another refusal was passed over
+  local present = refusal == 'message_exists' or (refusal and redis.call('HEXISTS', KEYS[6], a.accept.message_id) == 1)
+  if not present then
     redis.call('HSET', KEYS[6], a.accept.message_id, ARGV[4])
     redis.call('ZADD', KEYS[7], 'NX', redis.call('HINCRBY', KEYS[5], 'message_seq', 1), a.accept.message_id)
   end
@@ -60,4 +65,5 @@ else
 end
 redis.call('SET', KEYS[3], ARGV[2], 'PX', a.artifact_ttl_ms)
 enqueue(KEYS[8], KEYS[9], a.next_id, ARGV[3], a.channel, a.next_queue)
+if a.settle_id and redis.call('SREM', KEYS[12], a.settle_id) > 0 then redis.call('HDEL', KEYS[13], a.settle_id) end
 return 'ok'

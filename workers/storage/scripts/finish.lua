@@ -6,8 +6,11 @@
 -- KEYS[11] waiting requests   KEYS[12] the tenant's usage   KEYS[13] admit queue's messages
 -- KEYS[14] admit queue   KEYS[15] activity index   KEYS[16] webhook delivery   KEYS[17] deliveries index
 -- KEYS[18] webhook queue's messages   KEYS[19] webhook queue   KEYS[20] the conversation's message order
--- KEYS[21...] the turn's artifacts
--- ARGV[1] JSON {turn_id, status, conversation_id ("" = none), message_id ("" = not accepted),
+-- KEYS[21...] the turn's artifacts (a.artifacts of them), then, with a settle_id, the worker's ack set of
+--   the finish stage's queue and that queue's messages
+-- ARGV[1] JSON {artifacts (how many artifact keys), settle_id ("" = none; else the Redis id of the
+--               finish stage's own message: acked here, as dispatch.lua's ack does, when the answer
+--               is 'ok'), turn_id, status, conversation_id ("" = none), message_id ("" = not accepted),
 --               fence, now, ttl_s, usage {name: count}, pending (JSON text), channel,
 --               admit_queue, events: [event..., the terminal event last],
 --               activity (keep the activity index: retention is on), tenant_id (the turn's),
@@ -60,7 +63,7 @@ local seq = append_events(events, tonumber(f[5] or '0'), a.events)
 redis.call('HSET', turn, 'status', a.status, 'finished_at', a.now, 'seq', seq)
 redis.call('ZREM', KEYS[5], a.turn_id)
 -- the cancel flag, the model claim and the artifacts: one DEL
-redis.call('DEL', KEYS[3], KEYS[4], unpack(KEYS, 21))
+redis.call('DEL', KEYS[3], KEYS[4], unpack(KEYS, 21, 20 + a.artifacts))
 if a.webhook and redis.call('EXISTS', KEYS[16]) == 0 then
   local w = a.webhook
   local terminal = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)[1][2][2]
@@ -78,9 +81,12 @@ if a.conversation_id ~= '' then
   redis.call('HDEL', KEYS[11], a.turn_id)
   if holder == a.turn_id then redis.call('HDEL', KEYS[9], 'turn') end
   local woken = wake_next(KEYS[10], KEYS[9], KEYS[11], KEYS[13], KEYS[14], a.channel, a.admit_queue, a.turn_id)
-  if not woken and redis.call('HEXISTS', KEYS[9], 'turn') == 0 and redis.call('EXISTS', KEYS[6]) == 0 then
+  if not woken and redis.call('EXISTS', KEYS[6]) == 0 and redis.call('HEXISTS', KEYS[9], 'turn') == 0 then
     redis.call('DEL', KEYS[9])  -- no conversation and nobody waiting: leave nothing behind
     redis.call('ZREM', KEYS[15], a.conversation_id)
   end
+end
+if a.settle_id ~= '' and redis.call('SREM', KEYS[21 + a.artifacts], a.settle_id) > 0 then
+  redis.call('HDEL', KEYS[22 + a.artifacts], a.settle_id)
 end
 return {'ok'}

@@ -32,6 +32,8 @@ from threadline.workers.worker.runners.common import (
     Malformed,
     Started,
     finished_event,
+    settled,
+    settlement,
     stopped,
 )
 from threadline.workers.worker.runtime import Runtime
@@ -204,7 +206,8 @@ async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begi
     turn_id = resolved.turn_id
     following = rt.graph.next(stage.name)
     assert following is not None
-    s = Started(Envelope(turn_id=turn_id, stage=stage.name), begin, resolved, t0)
+    message = CurrentMessage.get_current_message()
+    s = Started(Envelope(turn_id=turn_id, stage=stage.name), begin, resolved, t0, message)
     # the input guards' verdict is the stage's decision record (`threadline turn show` prints it)
     decision = resolved.guard.record() if resolved.guard is not None else None
     accepted = events.Accepted(turn_id=turn_id, conversation_id=resolved.conversation_id,
@@ -220,7 +223,9 @@ async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begi
         conversation_id=resolved.conversation_id, decision=decision,
         accept=Accept(new_conversation(resolved), pending_row(resolved), resolved.accepted_at + resolved.deadline_s,
                       creates=resolved.new_conversation),
+        settle=settlement(rt, message),
     )
+    settled(rt, message, result)
     if result in REFUSALS:
         error = refusal_error(cast(Refusal, result), turn_id=turn_id, conversation_id=resolved.conversation_id)
         await rt.end_turn(turn_id, "failed", code=error.code, message=error.message,

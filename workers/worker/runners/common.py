@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import dramatiq
 import structlog
 from dramatiq.middleware import CurrentMessage
 from pydantic import ValidationError
@@ -18,8 +19,9 @@ from threadline.pipeline.contracts import (
 )
 from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.stages import Stage
-from threadline.workers.storage.turns import Begin, Next
+from threadline.workers.storage.turns import Begin, Next, Settle
 from threadline.workers.telemetry import tracing
+from threadline.workers.worker.broker import DoorbellBroker
 from threadline.workers.worker.runtime import Runtime, admitted_turn
 
 log = structlog.get_logger(__name__)
@@ -41,6 +43,8 @@ class Started:
     begin: Begin
     turn: ResolvedTurn
     t0: float
+    #: The stage's own message, acked by its hand-over (`hand_over`); None outside a worker.
+    message: dramatiq.Message[Any] | dramatiq.MessageProxy | None = None
 
 
 def finished_event(s: Started, stage: Stage, decision: Mapping[str, Any] | None = None) -> events.StageEvent:
@@ -85,7 +89,20 @@ async def start_stage(rt: Runtime, stage: Stage, env: Envelope, *, claim: str = 
     turn = admitted_turn(begin.admitted)
     structlog.contextvars.bind_contextvars(conversation_id=turn.conversation_id, attempt=begin.attempt)
     tracing.annotate(conversation_id=turn.conversation_id, attempt=begin.attempt)
-    return Started(env, begin, turn, t0)
+    return Started(env, begin, turn, t0, CurrentMessage.get_current_message())
+
+
+def settlement(rt: Runtime, message: dramatiq.Message[Any] | dramatiq.MessageProxy | None) -> Settle | None:
+    """How the hand-over script acks `message` (`DoorbellBroker.settlement`); None outside a worker."""
+    broker = rt.calls.broker
+    return broker.settlement(message) if message is not None and isinstance(broker, DoorbellBroker) else None
+
+
+def settled(rt: Runtime, message: dramatiq.Message[Any] | dramatiq.MessageProxy | None, result: str) -> None:
+    """Tell the broker that the hand-over answering `result` acked `message` ("ok" only)."""
+    broker = rt.calls.broker
+    if result == "ok" and message is not None and isinstance(broker, DoorbellBroker):
+        broker.settled_by_script(message)
 
 
 async def hand_over(rt: Runtime, stage: Stage, s: Started, artifact: str,
@@ -93,8 +110,9 @@ async def hand_over(rt: Runtime, stage: Stage, s: Started, artifact: str,
     following = rt.graph.next(stage.name)
     assert following is not None, "the finish stage hands over to no one"
     arg = Envelope(turn_id=s.env.turn_id, stage=following.name, attempt=s.begin.attempt).model_dump()
-    await rt.store.advance(
+    result = await rt.store.advance(
         s.env.turn_id, stage.name, next_=Next(following.name, arg, rt.new_id()), now=rt.now(), now_ms=rt.now_ms(),
         artifact=artifact, events_=[*before, finished_event(s, stage, decision)], fence=s.begin.fence,
-        conversation_id=s.turn.conversation_id, decision=decision,
+        conversation_id=s.turn.conversation_id, decision=decision, settle=settlement(rt, s.message),
     )
+    settled(rt, s.message, result)

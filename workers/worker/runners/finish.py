@@ -19,6 +19,8 @@ from threadline.workers.worker.long_term import long_term_of
 from threadline.workers.worker.runners.common import (
     envelope_of,
     finished_event,
+    settled,
+    settlement,
     start_stage,
 )
 from threadline.workers.worker.runners.memory import note_ended_turn
@@ -44,9 +46,11 @@ async def run_finish(rt: Runtime, stage: Stage, envelope: object) -> None:
     result = await rt.store.finish(
         Finish(turn_id=env.turn_id, event=terminal, conversation_id=turn.conversation_id, message=row,
                snapshot=outcome.snapshot, pending_tool_calls=outcome.pending_tool_calls, fence=s.begin.fence,
-               tenant_id=turn.tenant_id, before=[finished_event(s, stage)], webhook_url=turn.webhook_url or ""),
+               tenant_id=turn.tenant_id, before=[finished_event(s, stage)], webhook_url=turn.webhook_url or "",
+               settle=settlement(rt, s.message)),
         now=rt.now(),
     )
+    settled(rt, s.message, result)
     if result in REFUSALS:
         # not the turn's tenant's conversation, or not the row its accept wrote: the turn ended `failed`
         log.warning("persist_refused", reason=result)
