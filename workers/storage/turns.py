@@ -206,8 +206,8 @@ class TurnStore(StoreBase):
                                       reason="redelivered: the worker running the previous attempt was lost")
         reply = await self._run(
             "begin",
-            [k.turn(turn_id), k.events(turn_id), k.cancel_flag(turn_id), k.artifact(turn_id, self.graph.first.name),
-             k.artifact(turn_id, previous), k.model_claim(turn_id), k.running()],
+            [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, self.graph.first.name),
+             k.artifact(turn_id, previous), k.model_claim(turn_id)],
             lua.payload(stage=stage, turn_id=turn_id, now=now, interrupts=interrupts, claim=claim, holder=holder,
                             claim_ttl_ms=int(self.settings.invoke_lease_s * 1000),
                             started=events.encode(started, numbered_by_store=True) if started else "",

@@ -1,8 +1,11 @@
 -- Start a stage of a turn. Refuses when the turn has ended, the stage ran already, or (when asked)
 -- the turn is cancelled or past its deadline; takes the model claim when asked (a second delivery
 -- of the same model call stays out while the claim lives); announces the start.
--- KEYS[1] turn   KEYS[2] events   KEYS[3] cancel flag   KEYS[4] the admit stage's artifact
--- KEYS[5] the previous stage's artifact   KEYS[6] model claim   KEYS[7] running turns
+-- A cancel is read off the turn's record (`cancel_requested_at`, which raise_cancel writes with the
+-- flag), and the running index is left as the admit and the watchdog's looks scored it: a look that
+-- finds the turn held by a live worker, or waiting with recent progress, scores it again (stalled.lua).
+-- KEYS[1] turn   KEYS[2] events   KEYS[3] the admit stage's artifact   KEYS[4] the previous stage's artifact
+-- KEYS[5] model claim
 -- ARGV[1] JSON {stage, turn_id, now, interrupts (check cancel and deadline), claim (token or ""),
 --               claim_ttl_ms, holder (the worker id running the stage, or ""),
 --               started (event, or ""), redelivered (event)}; both events come
@@ -14,13 +17,13 @@ local a = cjson.decode(ARGV[1])
 -- every field the script reads, in one round inside the server (none of them changes below but
 -- `attempt`, `model_starts` and `seq`, which are computed here)
 local f = redis.call('HMGET', turn, 'status', 'done:' .. a.stage, 'deadline_at', 'attempt', 'conversation_id',
-                     'fence', 'handovers', 'retry_pending', 'seq', 'model_starts')
+                     'fence', 'handovers', 'retry_pending', 'seq', 'model_starts', 'cancel_requested_at')
 local status, done, deadline = f[1], f[2], f[3]
 if not status then return {'unknown'} end  -- no such turn (or its record expired): nothing to run
 if TERMINAL[status] then return {'terminal', status} end
 if done then return {'done'} end
 if a.interrupts then
-  if redis.call('EXISTS', KEYS[3]) == 1 then return {'cancelled'} end
+  if f[11] then return {'cancelled'} end
   if deadline and a.now > tonumber(deadline) then return {'timed_out'} end
 end
 local attempt = tonumber(f[4] or '1')
@@ -28,7 +31,7 @@ local fields = {'stage', a.stage, 'progress_at', a.now}
 -- events are numbered from the `seq` read above, written back with the fields below
 local seq = tonumber(f[9] or '0')
 if a.claim ~= '' then
-  if not redis.call('SET', KEYS[6], a.claim, 'NX', 'PX', a.claim_ttl_ms) then return {'duplicate'} end
+  if not redis.call('SET', KEYS[5], a.claim, 'NX', 'PX', a.claim_ttl_ms) then return {'duplicate'} end
   attempt = tonumber(f[10] or '0') + 1
   fields[#fields + 1], fields[#fields + 2] = 'model_starts', attempt
   fields[#fields + 1], fields[#fields + 2] = 'attempt', attempt
@@ -46,7 +49,6 @@ if a.started ~= '' then
 end
 fields[#fields + 1], fields[#fields + 2] = 'seq', seq
 redis.call('HSET', turn, unpack(fields))
-redis.call('ZADD', KEYS[7], a.now, a.turn_id)
-local artifacts = redis.call('MGET', KEYS[4], KEYS[5])
+local artifacts = redis.call('MGET', KEYS[3], KEYS[4])
 return {'go', tostring(attempt), artifacts[1] or '', artifacts[2] or '', f[5] or '', f[6] or '', deadline or '',
         f[7] or '0'}
