@@ -21,7 +21,8 @@
 --       | {'busy', the turn in the way} | {'changed'} (the victims named are not the turns in the way)
 local turn = KEYS[1]
 local a = cjson.decode(ARGV[1])
-local status = redis.call('HGET', turn, 'status')
+local f = redis.call('HMGET', turn, 'status', a.done)
+local status = f[1]
 if status and TERMINAL[status] then
   -- an ended turn submitted again (a producer retrying) must not stand in its conversation's line
   if redis.call('ZREM', KEYS[4], a.turn_id) == 1 then
@@ -29,7 +30,7 @@ if status and TERMINAL[status] then
   end
   return {'terminal', status}
 end
-if redis.call('HEXISTS', turn, a.done) == 1 then return {'done'} end
+if f[2] then return {'done'} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancelled'} end
 local refusal = conversation_refusal(KEYS[10], KEYS[11], a.tenant_id, a.creates, a.turn_id)
 if refusal then return {'refused', refusal} end
@@ -39,18 +40,19 @@ if not status then
 end
 redis.call('ZADD', KEYS[4], 'NX', now_us(), a.turn_id)
 redis.call('HSET', KEYS[6], a.turn_id, ARGV[2])
-redis.call('HSET', turn, 'conversation_id', a.conversation_id)
 redis.call('PERSIST', turn)  -- a live turn's record never expires; finish.lua sets its expiry
 if a.activity then redis.call('ZADD', KEYS[9], a.now, a.conversation_id) end
-local holder = redis.call('HGET', KEYS[5], 'turn')
-if holder == a.turn_id then return {'admitted', redis.call('HGET', KEYS[5], 'fence')} end
+local lease = redis.call('HMGET', KEYS[5], 'turn', 'fence')
+local holder = lease[1]
+-- admitted before (a redelivery): its record has its conversation since
+if holder == a.turn_id then return {'admitted', lease[2]} end
 local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
 if holder or head ~= a.turn_id then
-  redis.call('HSET', turn, 'status', 'waiting')
+  redis.call('HSET', turn, 'status', 'waiting', 'conversation_id', a.conversation_id)
   return {'waiting', holder or head}
 end
 local fence = redis.call('HINCRBY', KEYS[5], 'fence', 1)
 redis.call('HSET', KEYS[5], 'turn', a.turn_id)
-redis.call('HSET', turn, 'status', 'running', 'fence', fence, 'admitted_at', a.now)
+redis.call('HSET', turn, 'status', 'running', 'fence', fence, 'admitted_at', a.now, 'conversation_id', a.conversation_id)
 redis.call('ZADD', KEYS[3], a.now, a.turn_id)
 return {'admitted', tostring(fence)}

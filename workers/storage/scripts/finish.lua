@@ -80,8 +80,11 @@ if a.conversation_id ~= '' then
   redis.call('ZREM', KEYS[10], a.turn_id)
   redis.call('HDEL', KEYS[11], a.turn_id)
   if holder == a.turn_id then redis.call('HDEL', KEYS[9], 'turn') end
-  local woken = wake_next(KEYS[10], KEYS[9], KEYS[11], KEYS[13], KEYS[14], a.channel, a.admit_queue, a.turn_id)
-  if not woken and redis.call('EXISTS', KEYS[6]) == 0 and redis.call('HEXISTS', KEYS[9], 'turn') == 0 then
+  -- the lease as read above: free now unless another turn holds it
+  local free = not holder or holder == a.turn_id
+  local woken = free and wake_next(KEYS[10], KEYS[9], KEYS[11], KEYS[13], KEYS[14], a.channel, a.admit_queue,
+                                   a.turn_id, true)
+  if not woken and free and redis.call('EXISTS', KEYS[6]) == 0 then
     redis.call('DEL', KEYS[9])  -- no conversation and nobody waiting: leave nothing behind
     redis.call('ZREM', KEYS[15], a.conversation_id)
   end

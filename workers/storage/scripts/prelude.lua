@@ -35,11 +35,14 @@ local function ring(channel, queue)
   end
 end
 
--- Enqueue a dramatiq message exactly as RedisBroker.enqueue does, and ring the doorbell.
+-- Enqueue a dramatiq message exactly as RedisBroker.enqueue does, and ring the doorbell when the
+-- queue was empty. A consumer waits for a ring only after a fetch that took fewer messages than it
+-- asked for, so that left the queue empty (workers/worker/broker.py, `DoorbellConsumer.__next__`);
+-- the first message pushed after that rings, and a consumer that took as many as it asked for
+-- fetches again without one.
 local function enqueue(msgs, list, id, data, channel, queue)
   redis.call('HSET', msgs, id, data)
-  redis.call('RPUSH', list, id)
-  ring(channel, queue)
+  if redis.call('RPUSH', list, id) == 1 then ring(channel, queue) end
 end
 
 -- Server time in microseconds, as an exact decimal string (Lua's number format would round it).
@@ -57,10 +60,11 @@ local function with_message_id(message, id)
   return message
 end
 
--- Wake the first turn waiting in a conversation's line when nobody holds the conversation: enqueue
--- its kept request on the admit queue, under an id made of the waking and the woken turn.
-local function wake_next(line, lease, waiting, msgs, list, channel, queue, by)
-  if redis.call('HEXISTS', lease, 'turn') == 1 then return nil end
+-- Wake the first turn waiting in a conversation's line when nobody holds the conversation (`free`:
+-- the caller knows nobody does): enqueue its kept request on the admit queue, under an id made of
+-- the waking and the woken turn.
+local function wake_next(line, lease, waiting, msgs, list, channel, queue, by, free)
+  if not free and redis.call('HEXISTS', lease, 'turn') == 1 then return nil end
   local head = redis.call('ZRANGE', line, 0, 0)[1]
   if not head then return nil end
   local request = redis.call('HGET', waiting, head)
