@@ -207,7 +207,7 @@ class TurnStore(StoreBase):
         reply = await self._run(
             "begin",
             [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, self.graph.first.name),
-             k.artifact(turn_id, previous), k.model_claim(turn_id)],
+             k.artifact(turn_id, previous), k.model_claim(turn_id), k.running()],
             lua.payload(stage=stage, turn_id=turn_id, now=now, interrupts=interrupts, claim=claim, holder=holder,
                             claim_ttl_ms=int(self.settings.invoke_lease_s * 1000),
                             started=events.encode(started, numbered_by_store=True) if started else "",

@@ -2,10 +2,11 @@
 -- the turn is cancelled or past its deadline; takes the model claim when asked (a second delivery
 -- of the same model call stays out while the claim lives); announces the start.
 -- A cancel is read off the turn's record (`cancel_requested_at`, which raise_cancel writes with the
--- flag), and the running index is left as the admit and the watchdog's looks scored it: a look that
--- finds the turn held by a live worker, or waiting with recent progress, scores it again (stalled.lua).
+-- flag). The start scores the turn in the running index: the watchdog looks at it once that score
+-- is older than the worker timeout, when a dead holder's heartbeat has lapsed (a score left older
+-- would bring a look while the holder still seems alive, and the takeover a whole interval later).
 -- KEYS[1] turn   KEYS[2] events   KEYS[3] the admit stage's artifact   KEYS[4] the previous stage's artifact
--- KEYS[5] model claim
+-- KEYS[5] model claim   KEYS[6] running turns
 -- ARGV[1] JSON {stage, turn_id, now, interrupts (check cancel and deadline), claim (token or ""),
 --               claim_ttl_ms, holder (the worker id running the stage, or ""),
 --               started (event, or ""), redelivered (event)}; both events come
@@ -49,6 +50,7 @@ if a.started ~= '' then
 end
 fields[#fields + 1], fields[#fields + 2] = 'seq', seq
 redis.call('HSET', turn, unpack(fields))
+redis.call('ZADD', KEYS[6], a.now, a.turn_id)
 local artifacts = redis.call('MGET', KEYS[3], KEYS[4])
 return {'go', tostring(attempt), artifacts[1] or '', artifacts[2] or '', f[5] or '', f[6] or '', deadline or '',
         f[7] or '0'}
