@@ -5,12 +5,16 @@ exactly once."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from dramatiq.message import Message
 from redis.cluster import RedisCluster
 
 from tests.conftest import WorkerPool, turn
@@ -19,8 +23,13 @@ from tests.support.turns import all_events, python_model
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.stages import DEFAULT_GRAPH
 from threadline.workers.clients.client import Client
 from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.names import SHARD_OPTION
+from threadline.workers.settings import Settings
+from threadline.workers.worker.process import create_broker
+from threadline.workers.worker.reachability import RETRY_MIN_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Cluster.available(), reason="redis-server is not installed")]
 
@@ -111,3 +120,44 @@ def test_a_killed_primary_fails_over_and_every_turn_ends_once(cluster: Cluster, 
     finally:
         client.close()
         pool.discard()
+
+
+def test_a_retry_enqueued_while_the_cluster_is_down_waits_for_it(tmp_path: Path) -> None:
+    """dramatiq's Retries enqueues a failed message's retry, then the message is acked. A cluster
+    whose stopped primary has no replica answers CLUSTERDOWN to every command until that primary is
+    back: the broker waits that out as it does a lost connection, or the message is lost (a turn's
+    admit message was, once, in the chaos test on a cluster)."""
+    with Cluster(tmp_path / "down", replicas=0) as down:
+        url = down.every_node_url
+        settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlq{uuid.uuid4().hex[:6]}", redis_url=url,
+                                       shards=SHARDS)
+        broker = create_broker(settings, url)
+        queue = DEFAULT_GRAPH.first.queue
+        actor = next(name for name, a in broker.actors.items() if a.queue_name == queue)
+        message = Message(queue_name=queue, actor_name=actor, args=({"turn_id": "t"},), kwargs={},
+                          options={SHARD_OPTION: 0})
+        delayed = broker.keys.on(0).queue_messages(f"{queue}.DQ")
+        reader = RedisCluster.from_url(url.replace("redis+cluster://", "redis://").split(",")[0])
+        serving = reader.get_node_from_key(delayed).port
+        done: list[Message[Any]] = []
+        try:
+            # a primary that does not serve the message's shard: the cluster refuses every slot
+            victim = next(n for n in down.primary_nodes() if n.port != serving)
+            down.stop_node(victim)
+            witness = next(n for n in down.nodes if n.alive())
+            wait_until(lambda: witness.client().cluster("INFO").get("cluster_state") in ("fail", b"fail"),
+                       timeout_s=30)
+            enqueuing = threading.Thread(target=lambda: done.append(broker.enqueue(message, delay=10)))
+            enqueuing.start()
+            # it failed, waited its backoff and failed again: waiting, not given up
+            wait_until(lambda: broker.reachability.retry_in("enqueue") >= 2 * RETRY_MIN_S or not enqueuing.is_alive(),
+                       timeout_s=60)
+            assert enqueuing.is_alive() and not done
+            down.start_node(victim)
+            enqueuing.join(timeout=60)
+            assert not enqueuing.is_alive() and len(done) == 1
+            assert reader.hexists(delayed, done[0].options["redis_message_id"])
+        finally:
+            reader.close()
+            broker.before_shutdown()
+            broker.close()

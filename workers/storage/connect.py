@@ -34,6 +34,11 @@ CLUSTER_BACKOFF_S = (0.1, 1.0)
 #: commands on a client not yet initialized is routed to its default node, so that default turned a
 #: burst of 150 event streams on a gateway into 500s.
 CLUSTER_REINITIALIZE_STEPS = 0
+#: The errors of a server, or a cluster, that is away for a while: a caller that must not give up
+#: (an enqueue whose message is acked right after) waits them out. A cluster answers CLUSTERDOWN
+#: while a failed primary has no replica serving its slots yet, and TRYAGAIN while a slot moves.
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError,
+                                              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 #: The URL schemes of a Redis Cluster, and the plain scheme each stands for.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 

@@ -45,7 +45,7 @@ from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.protocol.wire import DEAD_LETTERS_MAXLEN, json_too_deep
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
-from threadline.workers.storage.connect import is_cluster, sync_client
+from threadline.workers.storage.connect import OUTAGE_ERRORS, is_cluster, sync_client
 from threadline.workers.storage.turns import Settle
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.calls import ModelCalls, default_model_calls
@@ -174,13 +174,14 @@ class DoorbellBroker(RedisBroker):
         """Enqueue, waiting out a Redis outage: in a worker process this is dramatiq enqueuing a
         retry (`Retries`) or moving a delayed message to its queue, and the message it comes from is
         acked right after, so an enqueue given up would lose it. (dramatiq waits out an outage the
-        same way to ack.) A stopping process does not wait."""
+        same way to ack.) A cluster's CLUSTERDOWN is an outage too (`OUTAGE_ERRORS`: a turn's admit
+        message was lost to one in the chaos test on a cluster). A stopping process does not wait."""
         shard = self.shard_of_message(message)
         while True:
             try:
                 enqueued = self._enqueue(message, delay, shard)
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except OUTAGE_ERRORS as e:
                 if self.closing:
                     raise
                 self._closed.wait(self.reachability.failed("enqueue", e))
