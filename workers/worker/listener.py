@@ -135,7 +135,7 @@ class Listener:
         """Subscribe one connection (a server's, or a cluster node's) to `channels()` and dispatch what
         it hears until `stop` (or the listener stops)."""
         client = redis.Redis.from_url(url, socket_connect_timeout=2)
-        pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call]
+        pubsub: Any = client.pubsub()  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
         subscribed: set[str] = set()
         confirmations = 0
         try:
