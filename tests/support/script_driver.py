@@ -52,7 +52,7 @@ class Turn:
                                            message_id=WAKE_ID, now_ms=int(time.time() * 1000))
 
     async def admit(self) -> tuple[str, str]:
-        status, detail = await self.store.admit(self.id, self.cid, now=time.time(), request=self.request)
+        status, detail, _ = await self.store.admit(self.id, self.cid, now=time.time(), request=self.request)
         if status == "admitted":
             self.fence = detail
         return status, detail

@@ -437,7 +437,7 @@ async def test_admit_refuses_a_reject_turn_of_a_busy_conversation_and_writes_not
     first = await make_turn(store)
     await first.accept()
     second = await make_turn(store, conversation_id=first.cid)
-    status, ahead = await store.admit(second.id, second.cid, now=time.time(), request=second.request,
+    status, ahead, _ = await store.admit(second.id, second.cid, now=time.time(), request=second.request,
                                       on_busy="reject")
     assert (status, ahead) == ("busy", first.id)
     assert not await store.redis.exists(store.keys.turn(second.id), store.keys.cancel_flag(first.id))
@@ -457,8 +457,8 @@ async def test_an_interrupting_turn_cancels_marks_and_passes_the_waiting_ones(po
     waiting = await make_turn(store, conversation_id=first.cid)
     assert (await waiting.admit())[0] == "waiting"
     jumper = await make_turn(store, conversation_id=first.cid)
-    assert await store.admit(jumper.id, jumper.cid, now=time.time(), request=jumper.request,
-                             on_busy=policy) == ("waiting", first.id)
+    assert (await store.admit(jumper.id, jumper.cid, now=time.time(), request=jumper.request,
+                              on_busy=policy))[:2] == ("waiting", first.id)
     k = store.keys
     assert await store.redis.get(k.cancel_flag(first.id)) == f"interrupted by turn {jumper.id}".encode()
     marks = await store.redis.hmget(k.turn(first.id), ["interrupted_by", "rollback"])

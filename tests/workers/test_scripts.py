@@ -132,6 +132,31 @@ async def test_admit_of_the_same_turn_again_keeps_its_fence(store: Store) -> Non
     assert await hash_of(store, store.keys.lease(t.cid)) == {"turn": t.id, "fence": "1"}
     assert await members(store, store.keys.turn_queue(t.cid)) == [t.id]
 
+async def test_an_admitted_turn_has_its_admit_stage_begun_by_the_admission_and_again_by_a_redelivery(
+        store: Store) -> None:
+    """What begin.lua writes for a stage (its name, holder and progress, the running score) the
+    admission writes for the admit stage, which therefore needs no begin of its own."""
+    t = await make_turn(store)
+    k = store.keys
+    first = await store.admit(t.id, t.cid, now=100.0, request=t.request, holder="w1")
+    assert first.status == "admitted" and first.begin is not None
+    assert (first.begin.status, first.begin.attempt, first.begin.fence, first.begin.conversation_id) == \
+        ("go", 1, "1", t.cid)
+    record = await hash_of(store, k.turn(t.id))
+    assert (record["stage"], record["holder"], record["progress_at"]) == (FIRST, "w1", "100")
+    assert await store.redis.zscore(k.running(), t.id) == 100.0
+    again = await store.admit(t.id, t.cid, now=200.0, request=t.request, holder="w2")  # another worker's delivery
+    assert again.begin is not None and again.begin.fence == "1"
+    record = await hash_of(store, k.turn(t.id))
+    assert (record["holder"], record["progress_at"]) == ("w2", "200")
+    assert await store.redis.zscore(k.running(), t.id) == 200.0
+    # a turn that waits has begun nothing
+    second = await make_turn(store, conversation_id=t.cid)
+    waiting = await store.admit(second.id, second.cid, now=300.0, request=second.request, holder="w1")
+    assert waiting[:2] == ("waiting", t.id) and waiting.begin is None
+    assert "holder" not in await hash_of(store, k.turn(second.id))
+
+
 
 async def test_admit_of_a_second_turn_while_the_first_holds_the_lease_waits(store: Store) -> None:
     first = await make_turn(store)
@@ -448,8 +473,9 @@ async def stranger(store: Store, turn_id: str, *, tenant: str = "t2", conversati
 
 
 async def admit_as(t: Turn, *, creates: bool) -> tuple[str, str]:
-    return await t.store.admit(t.id, t.cid, now=time.time(), request=t.request, tenant_id=t.req.tenant_id,
-                               creates=creates)
+    status, detail, _ = await t.store.admit(t.id, t.cid, now=time.time(), request=t.request,
+                                            tenant_id=t.req.tenant_id, creates=creates)
+    return status, detail
 
 
 @pytest.mark.parametrize(("tenant", "why"), [("t2", "foreign_conversation"), ("t1", "conversation_exists")],

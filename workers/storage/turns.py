@@ -7,7 +7,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 from threadline.pipeline import events
 from threadline.pipeline.busy import DEFAULT_ON_BUSY, OnBusy, interrupt_victims, interrupts
@@ -69,6 +69,15 @@ class Begin:
     terminal_status: str = ""
     #: Model attempts handed to another worker by a shutting-down one: not failed attempts.
     handovers: int = 0
+
+
+class Admitted(NamedTuple):
+    """admit.lua's answer: the admission; its detail (the fence when admitted, the turn in the way
+    when waiting or busy, the refusal, the ended turn's status); when admitted, its admit stage begun."""
+
+    status: Admission
+    detail: str
+    begin: Begin | None = None
 
 
 StallVerdict = Literal["gone", "alive", "waiting", "exhausted", "stalled"]
@@ -149,19 +158,20 @@ class TurnStore(StoreBase):
                              delay_ms=next_.delay_ms)
 
     async def admit(self, turn_id: str, conversation_id: str, *, now: float, request: bytes, tenant_id: str = "",
-                    creates: bool = False, on_busy: OnBusy = DEFAULT_ON_BUSY) -> tuple[Admission, str]:
+                    creates: bool = False, on_busy: OnBusy = DEFAULT_ON_BUSY, holder: str = "") -> Admitted:
         """Join the conversation's line; run now, or wait to be woken (`request` is kept for that).
         "refused" (with why, one of `REFUSALS`) when the turn may not write into the conversation:
         another tenant's (`tenant_id` given), one that exists when the turn `creates` it, or one
         whose messages hold the turn's id already. On its first admission the turn's `on_busy`
-        applies: "busy" (with the turn in its way) refuses a `reject` turn."""
+        applies: "busy" (with the turn in its way) refuses a `reject` turn. A turn admitted has its
+        admit stage begun (`holder`, the worker's id, runs it): no `begin` of its own."""
         for _ in range(BUSY_ATTEMPTS):
             victims = await self.interrupt_victims(conversation_id, turn_id) if interrupts(on_busy) else []
-            status, detail = await self._admit(turn_id, conversation_id, now=now, request=request, tenant_id=tenant_id,
-                                               creates=creates, on_busy=on_busy, victims=victims)
-            if status != "changed":
-                return status, detail
-        return status, detail
+            admitted = await self._admit(turn_id, conversation_id, now=now, request=request, tenant_id=tenant_id,
+                                         creates=creates, on_busy=on_busy, victims=victims, holder=holder)
+            if admitted.status != "changed":
+                return admitted
+        return admitted
 
     async def interrupt_victims(self, conversation_id: str, turn_id: str) -> list[str]:
         """The turns an interrupting turn would cancel now (read before its script checks them)."""
@@ -175,7 +185,7 @@ class TurnStore(StoreBase):
                                  [(text(m), float(score)) for m, score in ahead], own)
 
     async def _admit(self, turn_id: str, conversation_id: str, *, now: float, request: bytes, tenant_id: str,
-                     creates: bool, on_busy: OnBusy, victims: Sequence[str]) -> tuple[Admission, str]:
+                     creates: bool, on_busy: OnBusy, victims: Sequence[str], holder: str) -> Admitted:
         k = self.keys
         victim_keys, policy = lua.on_busy_args(k, turn_id, on_busy, victims, cancel_ttl_s=self.settings.cancel_ttl_s,
                                                now=now)
@@ -186,13 +196,18 @@ class TurnStore(StoreBase):
              k.queue(self.graph.first.queue), k.activity(), k.conversation(conversation_id),
              k.messages(conversation_id), *victim_keys],
             lua.payload(turn_id=turn_id, conversation_id=conversation_id,
-                        done=f"done:{self.graph.first.name}", channel=k.doorbell_channel(),
+                        stage=self.graph.first.name, holder=holder, channel=k.doorbell_channel(),
                         queue=self.graph.first.queue, activity=self.settings.retention_days > 0,
                         tenant_id=tenant_id, creates=creates, **policy),
             request,
         )
         status = cast(Admission, text(reply[0]))
-        return status, (text(reply[1]) if len(reply) > 1 and reply[1] else "")
+        detail = text(reply[1]) if len(reply) > 1 and reply[1] else ""
+        if status != "admitted":
+            return Admitted(status, detail)
+        attempt, handovers = (text(r) for r in reply[2:4])
+        return Admitted(status, detail, Begin(status="go", attempt=int(attempt), conversation_id=conversation_id,
+                                              fence=detail, handovers=int(handovers)))
 
     async def begin(
         self, turn_id: str, stage: str, *, now: float, interrupts: bool = True, claim: str = "",

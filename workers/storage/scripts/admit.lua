@@ -7,21 +7,26 @@
 -- On its first admission, the turn's `on_busy` policy is applied (prelude.lua's `on_busy`): a
 -- `reject` turn of a busy conversation is refused with nothing written; an interrupting one cancels
 -- the turns in its way and takes the place before every waiting turn.
+-- A turn admitted here also begins its admit stage, as begin.lua would (its checks are the ones
+-- above: nothing else can stop a stage that is not done yet): the stage, its holder and its
+-- progress go in the turn's record and its running score is now; the stage's `started` event comes
+-- with its hand-over, after `accepted`.
 -- KEYS[1] turn   KEYS[2] cancel flag   KEYS[3] running turns   KEYS[4] conversation's line
 -- KEYS[5] conversation's lease   KEYS[6] conversation's waiting requests   KEYS[7] admit queue's
 -- messages   KEYS[8] admit queue   KEYS[9] activity index   KEYS[10] conversation   KEYS[11] its messages
 -- KEYS[12...] a turn key and a cancel flag key per victim named (`on_busy` interrupt or rollback)
--- ARGV[1] JSON {turn_id, conversation_id, now, done (the admit stage's done marker), channel, queue,
+-- ARGV[1] JSON {turn_id, conversation_id, now, stage (the admit stage), holder (the worker id running
+--               it, or ""), channel, queue,
 --               activity (keep the activity index: retention is on), tenant_id ("" = not checked),
 --               creates (the turn starts the conversation),
 --               on_busy ("" = enqueue), victims, reason, rollback, cancel_ttl_s, cancel_channel}
 -- ARGV[2] the turn's request as a dramatiq message whose id is a placeholder (see finish.lua)
--- Returns {'admitted', fence} | {'waiting', ahead} | {'terminal', status} | {'done'} | {'cancelled'}
---       | {'refused', 'foreign_conversation' | 'conversation_exists' | 'message_exists'}
+-- Returns {'admitted', fence, attempt, handovers} | {'waiting', ahead} | {'terminal', status} | {'done'}
+--       | {'cancelled'} | {'refused', 'foreign_conversation' | 'conversation_exists' | 'message_exists'}
 --       | {'busy', the turn in the way} | {'changed'} (the victims named are not the turns in the way)
 local turn = KEYS[1]
 local a = cjson.decode(ARGV[1])
-local f = redis.call('HMGET', turn, 'status', a.done)
+local f = redis.call('HMGET', turn, 'status', 'done:' .. a.stage, 'attempt', 'handovers')
 local status = f[1]
 if status and TERMINAL[status] then
   -- an ended turn submitted again (a producer retrying) must not stand in its conversation's line
@@ -44,15 +49,22 @@ redis.call('PERSIST', turn)  -- a live turn's record never expires; finish.lua s
 if a.activity then redis.call('ZADD', KEYS[9], a.now, a.conversation_id) end
 local lease = redis.call('HMGET', KEYS[5], 'turn', 'fence')
 local holder = lease[1]
--- admitted before (a redelivery): its record has its conversation since
-if holder == a.turn_id then return {'admitted', lease[2]} end
-local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
-if holder or head ~= a.turn_id then
-  redis.call('HSET', turn, 'status', 'waiting', 'conversation_id', a.conversation_id)
-  return {'waiting', holder or head}
+local begun = {'stage', a.stage, 'progress_at', a.now, 'holder', a.holder}
+local fence
+if holder == a.turn_id then
+  -- admitted before (a redelivery, or the turn before it woke it): its record has its conversation
+  fence = lease[2]
+  redis.call('HSET', turn, unpack(begun))
+else
+  local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  if holder or head ~= a.turn_id then
+    redis.call('HSET', turn, 'status', 'waiting', 'conversation_id', a.conversation_id)
+    return {'waiting', holder or head}
+  end
+  fence = redis.call('HINCRBY', KEYS[5], 'fence', 1)
+  redis.call('HSET', KEYS[5], 'turn', a.turn_id)
+  redis.call('HSET', turn, 'status', 'running', 'fence', fence, 'admitted_at', a.now, 'conversation_id',
+             a.conversation_id, unpack(begun))
 end
-local fence = redis.call('HINCRBY', KEYS[5], 'fence', 1)
-redis.call('HSET', KEYS[5], 'turn', a.turn_id)
-redis.call('HSET', turn, 'status', 'running', 'fence', fence, 'admitted_at', a.now, 'conversation_id', a.conversation_id)
 redis.call('ZADD', KEYS[3], a.now, a.turn_id)
-return {'admitted', tostring(fence)}
+return {'admitted', tostring(fence), f[3] or '1', f[4] or '0'}

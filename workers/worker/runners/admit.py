@@ -34,7 +34,6 @@ from threadline.workers.worker.runners.common import (
     finished_event,
     settled,
     settlement,
-    stopped,
 )
 from threadline.workers.worker.runtime import Runtime
 
@@ -76,9 +75,9 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
                                message_id=WAKE_ID, now_ms=message.message_timestamp)
     # a turn that ends here, not accepted, still reaches its webhook (the request's, else its agent's)
     url = resolved.webhook_url if resolved is not None else req.webhook_url
-    admission, ahead = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake, tenant_id=req.tenant_id,
-                                            creates=req.conversation_id is None,
-                                            on_busy=await _on_busy(rt, req, resolved))
+    admission, ahead, begin = await rt.store.admit(turn_id, cid, now=rt.now(), request=wake, tenant_id=req.tenant_id,
+                                                   creates=req.conversation_id is None,
+                                                   on_busy=await _on_busy(rt, req, resolved), holder=rt.worker_id)
     if admission == "busy":
         # `on_busy: reject` in a busy conversation: nothing of it was written
         busy = busy_error(cid, ahead)
@@ -99,11 +98,8 @@ async def run_admit(rt: Runtime, stage: Stage, request: object) -> None:
                           webhook_url=url, tenant_id=req.tenant_id,
                           message=await rt.store.cancel_reason(turn_id)
                           or f"cancelled before {stage.name}: the turn never started")
-    if admission != "admitted":
+    if begin is None:
         log.info("turn_not_admitted", admission=admission, behind=ahead)
-        return
-    begin = await rt.store.begin(turn_id, stage.name, now=rt.now(), holder=rt.worker_id)
-    if await stopped(rt, begin, turn_id, stage):
         return
     tracing.annotate(conversation_id=cid, attempt=begin.attempt)
     try:
