@@ -1,0 +1,109 @@
+"""What the model stage's pydantic-ai run costs in CPU, in this process, with no Redis and no worker:
+the floor under a turn's worker CPU that no change of Threadline's own can lower.
+
+    .venv/bin/python -m bench.agent_run              # ~10 s
+    .venv/bin/python -m bench.agent_run --runs 2000
+
+Two rows, each the median CPU time (`time.process_time`) of `--runs` runs after `--warmup`:
+
+- `pydantic-ai alone`: `Agent.run` of a `FunctionModel` that streams one text chunk, with an
+  `event_stream_handler` that drains its events: the streaming path a turn takes, and nothing of
+  Threadline's.
+- `run_turn (offline:echo)`: the model stage's call as a worker makes it (`pipeline.invoke.run_turn`
+  with the agent the shell builds, the `offline:echo` model, `TurnStream` with `RunEvents`
+  translating the stream, a sink that stores nothing), the outcome, its usage and its snapshot.
+
+Compare them with `bench.run`'s worker CPU per turn, Threadline's and the bare dramatiq chain's
+(five no-op hops): the issue's target for the whole turn is at most 3x the bare chain's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pydantic_ai import Agent, CancellationToken
+from pydantic_ai.messages import ModelMessage
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from threadline.pipeline.config import AgentConfig
+from threadline.pipeline.contracts import TURN_SCHEMA, TurnRequest, new_conversation_id
+from threadline.pipeline.invoke import build_agent, run_turn
+from threadline.pipeline.records import ResolvedTurn
+from threadline.pipeline.resolve import resolve_turn
+from threadline.pipeline.streaming import RunEvents, TextDebouncer
+from threadline.workers.worker.providers import offline_model
+from threadline.workers.worker.stream import TurnStream
+
+
+def _turn() -> ResolvedTurn:
+    config = AgentConfig.model_validate({"id": "bench", "model": "offline:echo"})
+    request = TurnRequest.model_validate({
+        "schema": TURN_SCHEMA, "turn_id": "bench-turn", "tenant_id": "t", "app_id": "a", "user_id": "u",
+        "agent_id": config.id, "query": "hello",
+    })
+    resolved, _ = resolve_turn(request, conversation=None, config=config, config_ref="v1",
+                               new_conversation_id=new_conversation_id(request.turn_id), now=time.time())
+    return resolved
+
+
+async def _median_cpu_ms(run: Callable[[], Awaitable[Any]], *, runs: int, warmup: int) -> float:
+    for _ in range(warmup):
+        await run()
+    times: list[float] = []
+    for _ in range(runs):
+        t0 = time.process_time()
+        await run()
+        times.append((time.process_time() - t0) * 1000)
+    return statistics.median(times)
+
+
+async def _measure(runs: int, warmup: int) -> list[tuple[str, float]]:
+    async def one_chunk(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        yield "hello"
+
+    async def drain(_: Any, stream: AsyncIterable[Any]) -> None:
+        async for _event in stream:
+            pass
+
+    plain: Agent[None, str] = Agent(FunctionModel(stream_function=one_chunk))
+
+    async def alone() -> None:
+        await plain.run("hello", event_stream_handler=drain)
+
+    turn = _turn()
+    agent = build_agent(offline_model("echo", {}))
+
+    async def nowhere(_: object) -> None:
+        return None
+
+    async def ours() -> None:
+        translator = RunEvents(turn.turn_id, 1, TextDebouncer(window_s=0.075), tool_payload_chars=100_000)
+        async with TurnStream(translator, nowhere, time.time) as stream:
+            outcome = await run_turn(turn, [], agent=agent, attempt=1, stream=stream, token=CancellationToken(),
+                                     clock=time.time, timeout_s=30, max_chars=100_000)
+        assert outcome.status == "succeeded", outcome
+
+    return [("pydantic-ai alone (FunctionModel, one streamed chunk)", await _median_cpu_ms(alone, runs=runs,
+                                                                                          warmup=warmup)),
+            ("run_turn (offline:echo, TurnStream)", await _median_cpu_ms(ours, runs=runs, warmup=warmup))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.agent_run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=500, help="timed runs per row (default 500)")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed runs first (default 50)")
+    a = parser.parse_args(argv)
+    rows = asyncio.run(_measure(a.runs, a.warmup))
+    print(f"command: `python -m bench.agent_run --runs {a.runs} --warmup {a.warmup}`\n")
+    print("| run | CPU per run, median (ms) |\n|---|---|")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
