@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -23,8 +24,9 @@ from tests.support.restartable import Restartable
 from threadline.pipeline.config import AgentConfig
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.clients.client import Client
-from threadline.workers.protocol.keys import Keys
+from threadline.workers.protocol.keys import Keys, layout_record
 from threadline.workers.settings import Settings
+from threadline.workers.storage.base import in_shard
 from threadline.workers.storage.connect import async_plain_client, is_cluster, sync_client
 from threadline.workers.storage.embedded import ensure_embedded
 from threadline.workers.storage.store import Store
@@ -286,12 +288,29 @@ def client(redis_url: str, prefix: str) -> Iterator[Client]:
     c.close()
 
 
+@pytest.fixture(params=[0, 1], ids=["one-server", "sharded"])
+def store_shards(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The key layout of the `store` fixture: one server's (0), and the sharded one with one shard,
+    which the test runs bound to (as a stage runs bound to its message's shard): the same scripts
+    and checks on both layouts' keys. A test of one layout's keys alone is marked `one_server`
+    (skipped in the sharded variant) or asks for `store_shards` itself."""
+    shards = request.param
+    if sharded_run():  # its one server (or cluster) holds the session's layout, not this fixture's
+        pytest.skip("the store fixture lays out its own keys on one server: not in a sharded session")
+    if shards and request.node.get_closest_marker("one_server") is not None:
+        pytest.skip("one server's layout only")
+    with in_shard(0 if shards else None):
+        yield shards
+
+
 @pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[Store]:
+async def store(redis_url: str, store_shards: int) -> AsyncIterator[Store]:
     """A worker-side store on a key prefix of its own, every key under it removed afterwards."""
     prefix = f"tls{uuid.uuid4().hex[:8]}"
-    settings = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url)
+    settings = dataclasses.replace(Settings.from_env({}), prefix=prefix, redis_url=redis_url, shards=store_shards)
     s = Store(async_plain_client(redis_url), settings, DEFAULT_GRAPH)
+    if store_shards:  # as the first worker claims it: clients read the layout from here
+        await s.redis.set(Keys(prefix).layout(), json.dumps(layout_record(store_shards)))
     yield s
     async for key in s.redis.scan_iter(f"{prefix}:*", count=1000):
         await s.redis.delete(key)

@@ -427,12 +427,7 @@ def test_an_interrupt_of_a_turn_whose_worker_is_killed_ends_each_turn_once(
 
 # --- the scripts' branches, through the store (no workers) --------------------------------------------
 
-#: Why the store tests below run in one server's layout only.
-STORE_LAYOUT = ("drives the scripts through the `store` fixture and tests/support/script_driver.py, which build one "
-                "server's key layout (a turn's keys untagged: they span slots on a cluster)")
 
-
-@pytest.mark.one_server(STORE_LAYOUT)
 async def test_admit_refuses_a_reject_turn_of_a_busy_conversation_and_writes_nothing(store: Store) -> None:
     first = await make_turn(store)
     await first.accept()
@@ -449,7 +444,6 @@ async def test_admit_refuses_a_reject_turn_of_a_busy_conversation_and_writes_not
                               on_busy="reject"))[0] == "admitted"
 
 
-@pytest.mark.one_server(STORE_LAYOUT)
 @pytest.mark.parametrize("policy", ["interrupt", "rollback"])
 async def test_an_interrupting_turn_cancels_marks_and_passes_the_waiting_ones(policy: str, store: Store) -> None:
     first = await make_turn(store)
@@ -482,7 +476,6 @@ async def test_an_interrupting_turn_cancels_marks_and_passes_the_waiting_ones(po
     assert (await waiting.admit())[0] == "waiting"
 
 
-@pytest.mark.one_server(STORE_LAYOUT)
 async def test_a_later_interrupting_turn_cancels_an_earlier_one_still_waiting(store: Store) -> None:
     first = await make_turn(store)
     await first.accept()
@@ -497,7 +490,6 @@ async def test_a_later_interrupting_turn_cancels_an_earlier_one_still_waiting(st
     assert line == [one.id, two.id, first.id]  # `one` ends `cancelled` when woken, then `two` runs
 
 
-@pytest.mark.one_server(STORE_LAYOUT)
 async def test_submit_refuses_victims_it_does_not_find(client: Client, store: Store) -> None:
     """The producer's read of the turns in the way is checked by the script: 'changed', nothing written."""
     first = await make_turn(store)
@@ -505,8 +497,9 @@ async def test_submit_refuses_victims_it_does_not_find(client: Client, store: St
     producer = Client(client.url, prefix=store.keys.prefix)
     submit = producer.redis.register_script(lua.source("submit"))
     turn_id = f"t-{uuid.uuid4().hex}"
+    bound = producer.keys.on(store.keys.shard)
     for victims, answer in (([], [b"changed"]), (["nobody"], [b"changed"]), ([first.id], 1)):
-        _, keys, argv = submit_call(producer.keys, "resolve", "resolve", ({"turn_id": turn_id},), message_id=turn_id,
+        _, keys, argv = submit_call(bound, "resolve", "resolve", ({"turn_id": turn_id},), message_id=turn_id,
                                     conversation_id=first.cid, turn_id=turn_id, owner=None, now_ms=0,
                                     on_busy="interrupt", victims=victims)
         assert submit(keys=keys, args=argv) == answer

@@ -74,17 +74,19 @@ def terminals(seen: list[events.Event]) -> list[events.Event]:
 
 @contextlib.asynccontextmanager
 async def listening(store: Store, channel: str) -> AsyncIterator[PubSub]:
+    """Subscribed to `channel`: the doorbell of the sharded layout rides sharded pub/sub (SPUBLISH)."""
+    sharded = bool(store.keys.shards) and channel == store.keys.doorbell_channel()
     pubsub = store.redis.pubsub()
-    await pubsub.subscribe(channel)
+    await (pubsub.ssubscribe(channel) if sharded else pubsub.subscribe(channel))
     for _ in range(50):  # the confirmation comes first
-        if (m := await pubsub.get_message(timeout=0.1)) is not None and m["type"] == "subscribe":
+        if (m := await pubsub.get_message(timeout=0.1)) is not None and m["type"] in ("subscribe", "ssubscribe"):
             break
     else:
         raise TimeoutError(f"not subscribed to {channel}")
     try:
         yield pubsub
     finally:
-        await pubsub.unsubscribe()
+        await (pubsub.sunsubscribe() if sharded else pubsub.unsubscribe())
         await pubsub.aclose()
 
 
@@ -98,9 +100,8 @@ async def published(pubsub: PubSub, wait_s: float = 0.3) -> list[str]:
 
 async def queued(store: Store, queue: str) -> tuple[list[bytes], dict[bytes, bytes]]:
     """A queue's list of message ids and its messages."""
-    prefix = store.settings.prefix
-    return (await store.redis.lrange(f"{prefix}:q:{queue}", 0, -1),
-            await store.redis.hgetall(f"{prefix}:q:{queue}.msgs"))
+    return (await store.redis.lrange(store.keys.queue(queue), 0, -1),
+            await store.redis.hgetall(store.keys.queue_messages(queue)))
 
 
 def decode_message(raw: bytes) -> dict[str, Any]:
@@ -355,8 +356,8 @@ async def test_advance_hands_over_in_one_step(store: Store) -> None:
     (finished,) = seen[n:]
     assert isinstance(finished, events.StageEvent) and (finished.stage, finished.status) == (SECOND, "finished")
     # the next stage's message, exactly as dramatiq's RedisBroker stores it
-    assert await store.redis.lrange(f"{store.settings.prefix}:q:{THIRD}", 0, -1) == [mid.encode()]
-    raw = await store.redis.hget(f"{store.settings.prefix}:q:{THIRD}.msgs", mid)
+    assert await store.redis.lrange(store.keys.queue(THIRD), 0, -1) == [mid.encode()]
+    raw = await store.redis.hget(store.keys.queue_messages(THIRD), mid)
     assert raw is not None
     message = decode_message(raw)
     assert (message["queue_name"], message["actor_name"], message["message_id"]) == (THIRD, THIRD, mid)
@@ -372,8 +373,8 @@ async def test_advance_twice_is_done_and_duplicates_nothing(store: Store) -> Non
     before = await dump(store.redis, store.settings.prefix)
     assert await t.advance(SECOND, artifact="<other>", next_id=new_id("m")) == "done"
     assert await dump(store.redis, store.settings.prefix) == before
-    assert await store.redis.hlen(f"{store.settings.prefix}:q:{THIRD}.msgs") == 1
-    assert await store.redis.llen(f"{store.settings.prefix}:q:{THIRD}") == 1
+    assert await store.redis.hlen(store.keys.queue_messages(THIRD)) == 1
+    assert await store.redis.llen(store.keys.queue(THIRD)) == 1
 
 
 @pytest.mark.parametrize("lease", [{"turn": "t-someone-else", "fence": "2"}, {"fence": "2"}],
@@ -618,7 +619,7 @@ async def test_retry_schedules_a_delayed_message_releases_the_claim_and_announce
     t = await make_turn(store)
     await t.run_to(MODEL)
     await t.begin(MODEL, claim="w1")
-    k, prefix = store.keys, store.settings.prefix
+    k = store.keys
     n = len(await stream(store, t.id))
     ready = await queued(store, MODEL)  # the message that started this attempt
     mid, now_ms = new_id("m"), int(time.time() * 1000)
@@ -631,9 +632,9 @@ async def test_retry_schedules_a_delayed_message_releases_the_claim_and_announce
     assert rang == [f"{MODEL}.DQ"]
     assert not await store.redis.exists(k.model_claim(t.id))
     assert (await hash_of(store, k.turn(t.id)))["retry_pending"] == "1"
-    assert await store.redis.lrange(f"{prefix}:q:{MODEL}.DQ", 0, -1) == [mid.encode()]
+    assert await store.redis.lrange(store.keys.queue(f"{MODEL}.DQ"), 0, -1) == [mid.encode()]
     assert await queued(store, MODEL) == ready  # nothing to run now, only later
-    raw = await store.redis.hget(f"{prefix}:q:{MODEL}.DQ.msgs", mid)
+    raw = await store.redis.hget(store.keys.queue_messages(f"{MODEL}.DQ"), mid)
     assert raw is not None
     message = decode_message(raw)
     assert message["queue_name"] == f"{MODEL}.DQ" and message["options"]["eta"] == now_ms + 500
@@ -744,14 +745,14 @@ async def test_finish_releases_the_lease_and_wakes_the_next_turn_in_line(store: 
     await first.run_to(LAST)
     second = await make_turn(store, conversation_id=first.cid)
     assert (await second.admit())[0] == "waiting"
-    k, prefix = store.keys, store.settings.prefix
+    k = store.keys
     async with listening(store, k.doorbell_channel()) as doorbell:
         assert await first.finish() == "ok"
         rang = await published(doorbell)
     assert rang == [FIRST]
     wake = f"wake.{second.id}.{first.id}"
-    assert await store.redis.lrange(f"{prefix}:q:{FIRST}", 0, -1) == [wake.encode()]
-    raw = await store.redis.hget(f"{prefix}:q:{FIRST}.msgs", wake)
+    assert await store.redis.lrange(store.keys.queue(FIRST), 0, -1) == [wake.encode()]
+    raw = await store.redis.hget(store.keys.queue_messages(FIRST), wake)
     assert raw is not None
     message = decode_message(raw)
     assert message["message_id"] == wake and message["options"]["redis_message_id"] == wake
@@ -771,7 +772,7 @@ async def test_the_wake_id_is_substituted_for_the_message_id_only(store: Store) 
     second = await make_turn(store, conversation_id=first.cid, query=query)
     assert (await second.admit())[0] == "waiting"
     assert await first.finish() == "ok"
-    raw = await store.redis.hget(f"{store.settings.prefix}:q:{FIRST}.msgs", f"wake.{second.id}.{first.id}")
+    raw = await store.redis.hget(store.keys.queue_messages(FIRST), f"wake.{second.id}.{first.id}")
     assert raw is not None
     assert decode_message(raw)["args"][0]["query"] == query
 
@@ -786,7 +787,7 @@ async def test_a_turn_that_finishes_out_of_line_leaves_the_holder_alone(store: S
     assert await hash_of(store, k.lease(first.cid)) == {"turn": first.id, "fence": "1"}
     assert await members(store, k.turn_queue(first.cid)) == [first.id]
     assert await store.redis.hkeys(k.waiting(first.cid)) == [first.id.encode()]
-    assert not await store.redis.exists(f"{store.settings.prefix}:q:{FIRST}")  # nobody woken
+    assert not await store.redis.exists(store.keys.queue(FIRST))  # nobody woken
 
 
 @pytest.mark.parametrize("admitted", [True, False], ids=["admitted-then-refused", "refused-before-admission"])
@@ -1087,8 +1088,8 @@ async def test_store_enqueue_takes_no_place_in_any_line(store: Store) -> None:
         await store.enqueue(FIRST, mid, data)
         rang = await published(doorbell)
     assert rang == [FIRST]
-    assert await store.redis.hget(f"{prefix}:q:{FIRST}.msgs", mid) == data
-    assert await store.redis.lrange(f"{prefix}:q:{FIRST}", 0, -1) == [mid.encode()]
+    assert await store.redis.hget(store.keys.queue_messages(FIRST), mid) == data
+    assert await store.redis.lrange(store.keys.queue(FIRST), 0, -1) == [mid.encode()]
     assert [key async for key in store.redis.scan_iter(f"{prefix}:conv:*")] == []
 
 
@@ -1105,7 +1106,7 @@ async def test_client_enqueue_takes_a_place_in_the_line_only_when_asked(store: S
         first_turn = client.submit({"tenant_id": "t1", "app_id": "app", "user_id": "u1", "agent_id": AGENT.id,
                                     "query": "hi"})
         assert await members(store, k.turn_queue(new_conversation_id(first_turn))) == [first_turn]
-        assert await store.redis.llen(f"{prefix}:q:{FIRST}") == 4
+        assert await store.redis.llen(store.keys.queue(FIRST)) == 4
     finally:
         client.close()
 
@@ -1118,8 +1119,14 @@ async def test_an_owners_submission_into_another_tenants_conversation_writes_not
         before = await dump(store.redis, store.settings.prefix)
         with pytest.raises(ConversationNotFound):
             client.start({"tenant_id": "t2", "app_id": "app", "user_id": "u1", "agent_id": AGENT.id,
-                          "conversation_id": a.cid, "query": "let me in"}, owner="t2")
-        assert await dump(store.redis, store.settings.prefix) == before
+                          "turn_id": "t-refused", "conversation_id": a.cid, "query": "let me in"}, owner="t2")
+        after = await dump(store.redis, store.settings.prefix)
+        if store.keys.shards:
+            # the sharded layout's one write: the id's shard pointer, taken before the submission (to
+            # refuse an id of another shard's turn); it holds the shard's number and expires
+            pointer = store.keys.turn_shard("t-refused")
+            assert after.pop(pointer)[1] == b"0" and await store.redis.ttl(pointer) > 0
+        assert after == before
         # its own tenant's turn takes its place as before
         handle = client.start({"tenant_id": "t1", "app_id": "app", "user_id": "u1", "agent_id": AGENT.id,
                                "conversation_id": a.cid, "query": "mine"}, owner="t1")
