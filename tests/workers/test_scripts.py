@@ -185,6 +185,19 @@ async def test_admit_of_a_cancelled_turn_writes_nothing_of_its_conversation(stor
     assert (await store.turn_state(t.id)).status == ""
 
 
+async def test_a_turn_cancelled_while_it_waited_is_not_admitted_after_its_flag_expired(store: Store) -> None:
+    """The cancel is read off the turn's record, which outlives the flag's TTL (TL_CANCEL_TTL_S)."""
+    first = await make_turn(store)
+    assert await first.admit() == ("admitted", "1")
+    waiting = await make_turn(store, conversation_id=first.cid)
+    assert (await waiting.admit())[0] == "waiting"
+    assert (await store.cancel(waiting.id, "stop", now=time.time()))[0] == "signalled"
+    await store.redis.delete(store.keys.cancel_flag(waiting.id))  # as its TTL would
+    assert await first.end("succeeded") == "ok"  # wakes the waiting one
+    assert await waiting.admit() == ("cancelled", "")
+    assert "holder" not in await hash_of(store, store.keys.turn(waiting.id))
+
+
 async def test_admit_of_a_terminal_turn_is_refused(store: Store) -> None:
     t = await make_turn(store)
     assert await t.admit() == ("admitted", "1")

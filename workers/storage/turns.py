@@ -191,7 +191,7 @@ class TurnStore(StoreBase):
                                                now=now)
         reply = await self._run(
             "admit",
-            [k.turn(turn_id), k.cancel_flag(turn_id), k.running(), k.turn_queue(conversation_id),
+            [k.turn(turn_id), k.running(), k.turn_queue(conversation_id),
              k.lease(conversation_id), k.waiting(conversation_id), k.queue_messages(self.graph.first.queue),
              k.queue(self.graph.first.queue), k.activity(), k.conversation(conversation_id),
              k.messages(conversation_id), *victim_keys],
