@@ -140,11 +140,13 @@ async def test_an_admitted_turn_has_its_admit_stage_begun_by_the_admission_and_a
     t = await make_turn(store)
     k = store.keys
     first = await store.admit(t.id, t.cid, now=100.0, request=t.request, holder="w1")
-    assert first.status == "admitted" and first.begin is not None
-    assert (first.begin.status, first.begin.attempt, first.begin.fence, first.begin.conversation_id) == \
-        ("go", 1, "1", t.cid)
+    assert first.status == "admitted"
+    # nothing stored yet: the admit stage writes the first artifact
+    assert first.begin == Begin(status="go", attempt=1, admitted="", previous="", conversation_id=t.cid, fence="1",
+                                deadline_at=None)
     record = await hash_of(store, k.turn(t.id))
     assert (record["stage"], record["holder"], record["progress_at"]) == (FIRST, "w1", "100")
+    assert await stream(store, t.id) == []  # the admit stage announces itself when it accepts
     assert await store.redis.zscore(k.running(), t.id) == 100.0
     again = await store.admit(t.id, t.cid, now=200.0, request=t.request, holder="w2")  # another worker's delivery
     assert again.begin is not None and again.begin.fence == "1"
@@ -224,17 +226,6 @@ async def test_admit_after_the_admit_stage_ran_is_done(store: Store) -> None:
 
 
 # --- begin ------------------------------------------------------------------------------------------
-
-
-async def test_begin_of_the_first_stage_goes_with_the_turn_state(store: Store) -> None:
-    t = await make_turn(store)
-    await t.admit()
-    b = await t.begin(FIRST)
-    # nothing stored yet: the admit stage writes the first artifact
-    assert b == Begin(status="go", attempt=1, admitted="", previous="", conversation_id=t.cid, fence="1",
-                      deadline_at=None)
-    assert (await store.turn_state(t.id)).stage == FIRST
-    assert await stream(store, t.id) == []  # the admit stage announces itself when it accepts
 
 
 async def test_begin_goes_with_the_artifacts_and_announces_the_start(store: Store) -> None:
@@ -416,7 +407,6 @@ async def test_accept_creates_the_conversation_the_row_and_the_order_entry_once(
     t = await make_turn(store)
     k = store.keys
     await t.admit()
-    await t.begin(FIRST)
     assert await t.advance(FIRST, accept=True) == "ok"
     expected_conversation = {**conversation_to_hash(new_conversation(t.resolved)), "message_seq": "1"}
     assert await hash_of(store, k.conversation(t.cid)) == expected_conversation
@@ -530,13 +520,13 @@ async def test_admit_of_a_turn_of_the_conversations_own_tenant_goes_on(store: St
 
 
 async def hold(t: Turn) -> Turn:
-    """The turn holds its conversation's lease as admit.lua gave it before it looked, and its admit
-    stage has begun: only advance.lua stands in the way of its accept."""
+    """The turn holds its conversation's lease as admit.lua gave it before it looked, its admit stage
+    begun: only advance.lua stands in the way of its accept."""
     k = t.store.keys
     t.fence = "99"
     await t.store.redis.hset(k.lease(t.cid), mapping={"turn": t.id, "fence": t.fence})
-    await t.store.redis.hset(k.turn(t.id), mapping={"status": "running", "fence": t.fence, "conversation_id": t.cid})
-    assert (await t.begin(FIRST)).status == "go"
+    await t.store.redis.hset(k.turn(t.id), mapping={"status": "running", "fence": t.fence, "conversation_id": t.cid,
+                                                     "stage": FIRST, "holder": "w1", "progress_at": time.time()})
     return t
 
 
