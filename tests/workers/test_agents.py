@@ -97,6 +97,25 @@ def test_publish_and_rollback_move_new_conversations_only(workers: WorkerPool, c
     assert [(s.active, s.latest, s.drafts) for s in client.agents() if s.agent_id == agent] == [(1, 2, ("next",))]
 
 
+def test_the_agents_hash_keeps_the_active_document_and_an_agent_stored_without_it_still_runs(
+        workers: WorkerPool, client: Client) -> None:
+    """A turn reads the active version and its document in one command: a put and a rollback keep the
+    document in the agent's hash (`active_config`). An agent made active before the hash kept it runs
+    its active version read by number, and the next identical put writes the field."""
+    agent = new_agent_id()
+    key = client.keys.agent(agent)
+    client.put_agent(document(agent, "You are v1"))
+    client.put_agent(document(agent, "You are v2"))
+    assert json.loads(client.redis.hget(key, "active_config"))["instructions"] == "You are v2"
+    client.rollback_agent(agent, 1)
+    assert json.loads(client.redis.hget(key, "active_config"))["instructions"] == "You are v1"
+
+    client.redis.hdel(key, "active_config")
+    assert Conversation(client, agent).say("hello") == "You are v1"
+    assert client.put_agent(document(agent, "You are v1")) == "v1"
+    assert json.loads(client.redis.hget(key, "active_config"))["instructions"] == "You are v1"
+
+
 def test_identical_put_returns_the_active_version_and_writes_nothing(client: Client) -> None:
     agent = new_agent_id()
     first = client.put_agent_result(document(agent, "Same", settings={"temperature": 0.1, "top_p": 0.9}))

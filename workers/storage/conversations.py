@@ -112,26 +112,65 @@ class ConversationStore(StoreBase):
         row = await self.redis.hget(self.keys.messages(conversation_id), message_id)
         return MessageRecord.model_validate_json(row) if row else None
 
-    async def has_message(self, conversation_id: str, message_id: str) -> bool:
-        return bool(await self.redis.hexists(self.keys.messages(conversation_id), message_id))
-
     async def load_config(self, agent_id: str, ref: ConfigRef) -> tuple[AgentConfig, str]:
-        """The config a turn runs and its reference ("v<N>" or "draft:<id>")."""
+        """The config a turn runs and its reference ("v<N>" or "draft:<id>"), in one command: the
+        active version's document is kept in the agent's hash (`active_config`)."""
+        return (await self._with_config(None, agent_id, ref))[1]
+
+    async def find_with_config(self, conversation_id: str, agent_id: str,
+                               ref: ConfigRef) -> tuple[ConversationRecord | None, tuple[AgentConfig, str]]:
+        """A conversation's record (None: it does not exist) and the config `ref` names, read in one
+        round trip: a new conversation's first turn needs both, and neither depends on the other."""
+        return await self._with_config(conversation_id, agent_id, ref)
+
+    async def config_and_rows(self, agent_id: str, ref: ConfigRef, conversation_id: str,
+                              message_ids: Sequence[str]) -> tuple[tuple[AgentConfig, str], list[bool]]:
+        """The config `ref` names and whether each of `message_ids` is a row of the conversation, in
+        one round trip: what a turn of an existing conversation checks besides its record."""
         k = self.keys
-        if ref.kind == "draft":
-            assert ref.value is not None
-            data = await self.redis.get(k.agent_draft(agent_id, ref.value))
-            if data is None:
-                raise AgentNotFound(f"agent {agent_id!r} has no draft {ref.value!r}")
-            return config_from_json(data), f"draft:{ref.value}"
-        version = ref.value
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for message_id in message_ids:
+                pipe.hexists(k.messages(conversation_id), message_id)
+            self._read_config(pipe, agent_id, ref)
+            *rows, reply = await pipe.execute()
+        return await self._config(agent_id, ref, reply), [bool(r) for r in rows]
+
+    async def _with_config(self, conversation_id: str | None, agent_id: str,
+                           ref: ConfigRef) -> tuple[ConversationRecord | None, tuple[AgentConfig, str]]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if conversation_id is not None:
+                pipe.hgetall(self.keys.conversation(conversation_id))
+            self._read_config(pipe, agent_id, ref)
+            replies = await pipe.execute()
+        conversation = (None if conversation_id is None
+                        else conversation_from_hash(conversation_id, text_map(replies[0])))
+        return conversation, await self._config(agent_id, ref, replies[-1])
+
+    def _read_config(self, pipe: Any, agent_id: str, ref: ConfigRef) -> None:
+        """Queue on `pipe` the read of the config `ref` names (`_config` makes it one)."""
+        k = self.keys
         if ref.kind == "active":
-            active = await self.redis.hget(k.agent(agent_id), "active")
+            pipe.hmget(k.agent(agent_id), ["active", "active_config"])
+        else:
+            assert ref.value is not None
+            pipe.get(k.agent_draft(agent_id, ref.value) if ref.kind == "draft"
+                     else k.agent_version(agent_id, ref.value))
+
+    async def _config(self, agent_id: str, ref: ConfigRef, reply: Any) -> tuple[AgentConfig, str]:
+        """The config out of `load_config`'s read: a draft's or a version's document, or the active
+        version and its document (an agent made active before the hash kept it: read by number)."""
+        if ref.kind == "draft":
+            if reply is None:
+                raise AgentNotFound(f"agent {agent_id!r} has no draft {ref.value!r}")
+            return config_from_json(reply), f"draft:{ref.value}"
+        version, data = ref.value, reply
+        if ref.kind == "active":
+            active, data = reply
             if active is None:
                 raise AgentNotFound(f"agent {agent_id!r} is not registered")
             version = text(active)
-        assert version is not None
-        data = await self.redis.get(k.agent_version(agent_id, version))
+            if data is None:
+                data = await self.redis.get(self.keys.agent_version(agent_id, version))
         if data is None:
             raise AgentNotFound(f"agent {agent_id!r} has no version {version}")
         return config_from_json(data), f"v{version}"

@@ -173,11 +173,19 @@ async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool)
             if must_exist:
                 await rt.store.load_conversation(req.conversation_id)  # raises conversation_not_found
             return None
-    existing, taken = await _target(rt, req, cid, conversation)
-    config, ref = await rt.store.load_config(req.agent_id, choose_config(req, conversation))
     parent = req.parent_message_id
-    parent_known = parent in (None, "root") or (
-        conversation is not None and await rt.store.has_message(conversation.id, str(parent)))
+    parent_known = parent in (None, "root")
+    if conversation is None:  # a new conversation: whether its id is taken, and its agent's config, in one read
+        existing, (config, ref) = await rt.store.find_with_config(cid, req.agent_id, choose_config(req, None))
+        taken = False
+    else:  # the pinned config, and whether the turn's message and its parent are rows, in one read
+        existing = None
+        (config, ref), rows = await rt.store.config_and_rows(
+            req.agent_id, choose_config(req, conversation), conversation.id,
+            [req.turn_id] if parent_known else [req.turn_id, str(parent)])
+        taken, parent_known = rows[0], parent_known or rows[-1]
+    if (existing is not None or taken) and await _accepted_before(rt, req.turn_id):
+        existing, taken = None, False
     resolved, decision = resolve_turn(req, conversation=conversation, config=config, config_ref=ref,
                                       new_conversation_id=cid, now=rt.now(),
                                       parent_known=parent_known, existing=existing, message_taken=taken)
@@ -186,16 +194,11 @@ async def _resolve(rt: Runtime, req: TurnRequest, cid: str, *, must_exist: bool)
     return resolved
 
 
-async def _target(rt: Runtime, req: TurnRequest, cid: str,
-                  conversation: ConversationRecord | None) -> tuple[ConversationRecord | None, bool]:
-    """What the turn would write over: the conversation a first turn's id names (when it exists) and
-    whether its message id names a row already. Either is the turn's own doing when it was accepted
-    before (a redelivery: its admit stage is done, and admit.lua says so) — then nothing is in the way."""
-    existing = await rt.store.find_conversation(cid) if conversation is None else None
-    taken = conversation is not None and await rt.store.has_message(cid, req.turn_id)
-    if (existing is not None or taken) and (await rt.store.turn_state(req.turn_id)).message_id == req.turn_id:
-        return None, False
-    return existing, taken
+async def _accepted_before(rt: Runtime, turn_id: str) -> bool:
+    """Whether what the turn would write over — the conversation a first turn's id names, a row with
+    its message id — is its own doing: it was accepted before (a redelivery: its admit stage is done,
+    and admit.lua says so), and nothing is in the way."""
+    return (await rt.store.turn_state(turn_id)).message_id == turn_id
 
 
 async def _accept(rt: Runtime, stage: Stage, resolved: ResolvedTurn, begin: Begin, t0: float) -> None:
