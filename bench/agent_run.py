@@ -3,6 +3,7 @@ the floor under a turn's worker CPU that no change of Threadline's own can lower
 
     .venv/bin/python -m bench.agent_run              # ~10 s
     .venv/bin/python -m bench.agent_run --runs 2000
+    .venv/bin/python -m bench.agent_run --spacing-s 0.3 --runs 100   # also runs 0.3 s apart, ~1 min
 
 Two rows, each the median CPU time (`time.process_time`) of `--runs` runs after `--warmup`:
 
@@ -12,6 +13,10 @@ Two rows, each the median CPU time (`time.process_time`) of `--runs` runs after 
 - `run_turn (offline:echo)`: the model stage's call as a worker makes it (`pipeline.invoke.run_turn`
   with the agent the shell builds, the `offline:echo` model, `TurnStream` with `RunEvents`
   translating the stream, a sink that stores nothing), the outcome, its usage and its snapshot.
+
+With `--spacing-s S` each row is also timed with S seconds of idleness before every run, as the
+turns of `bench.run`'s idle-latency phase come: a run after a pause finds the CPU's caches cold and
+costs more than one right after another.
 
 Compare them with `bench.run`'s worker CPU per turn, Threadline's and the bare dramatiq chain's
 (five no-op hops): the issue's target for the whole turn is at most 3x the bare chain's.
@@ -51,18 +56,21 @@ def _turn() -> ResolvedTurn:
     return resolved
 
 
-async def _median_cpu_ms(run: Callable[[], Awaitable[Any]], *, runs: int, warmup: int) -> float:
+async def _median_cpu_ms(run: Callable[[], Awaitable[Any]], *, runs: int, warmup: int,
+                         spacing_s: float = 0.0) -> float:
     for _ in range(warmup):
         await run()
     times: list[float] = []
     for _ in range(runs):
+        if spacing_s:
+            await asyncio.sleep(spacing_s)
         t0 = time.process_time()
         await run()
         times.append((time.process_time() - t0) * 1000)
     return statistics.median(times)
 
 
-async def _measure(runs: int, warmup: int) -> list[tuple[str, float]]:
+async def _measure(runs: int, warmup: int, spacing_s: float) -> list[tuple[str, list[float]]]:
     async def one_chunk(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
         yield "hello"
 
@@ -88,21 +96,30 @@ async def _measure(runs: int, warmup: int) -> list[tuple[str, float]]:
                                      clock=time.time, timeout_s=30, max_chars=100_000)
         assert outcome.status == "succeeded", outcome
 
-    return [("pydantic-ai alone (FunctionModel, one streamed chunk)", await _median_cpu_ms(alone, runs=runs,
-                                                                                          warmup=warmup)),
-            ("run_turn (offline:echo, TurnStream)", await _median_cpu_ms(ours, runs=runs, warmup=warmup))]
+    spacings = (0.0, spacing_s) if spacing_s else (0.0,)
+    rows: list[tuple[str, list[float]]] = []
+    for name, run in (("pydantic-ai alone (FunctionModel, one streamed chunk)", alone),
+                      ("run_turn (offline:echo, TurnStream)", ours)):
+        rows.append((name, [await _median_cpu_ms(run, runs=runs, warmup=warmup, spacing_s=s) for s in spacings]))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.agent_run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=500, help="timed runs per row (default 500)")
     parser.add_argument("--warmup", type=int, default=50, help="untimed runs first (default 50)")
+    parser.add_argument("--spacing-s", type=float, default=0.0,
+                        help="also time each row with this much idleness before every run (default: not)")
     a = parser.parse_args(argv)
-    rows = asyncio.run(_measure(a.runs, a.warmup))
-    print(f"command: `python -m bench.agent_run --runs {a.runs} --warmup {a.warmup}`\n")
-    print("| run | CPU per run, median (ms) |\n|---|---|")
+    rows = asyncio.run(_measure(a.runs, a.warmup, a.spacing_s))
+    spaced = f" --spacing-s {a.spacing_s:g}" if a.spacing_s else ""
+    print(f"command: `python -m bench.agent_run --runs {a.runs} --warmup {a.warmup}{spaced}`\n")
+    if a.spacing_s:
+        print(f"| run | CPU per run, median (ms): back to back | {a.spacing_s:g} s apart |\n|---|---|---|")
+    else:
+        print("| run | CPU per run, median (ms) |\n|---|---|")
     for name, ms in rows:
-        print(f"| {name} | {ms:.2f} |")
+        print(f"| {name} | " + " | ".join(f"{m:.2f}" for m in ms) + " |")
 
 
 if __name__ == "__main__":
