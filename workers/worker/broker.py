@@ -149,9 +149,11 @@ class DoorbellBroker(RedisBroker):
         """The process's pub/sub listener, started on first use (worker processes only)."""
         if self._listener is None:
             self._listener = Listener(self.url, reachability=self.reachability)
+            # before the channels, which start the listener: its first confirmed subscription rings
+            # every consumer (what was enqueued before it listened), and must find the hook there
+            self._listener.on_reconnect(self._ring_all)
             self._listener.on_each({self.keys.on(shard).doorbell_channel(): partial(self._ring, shard=shard)
                                     for shard in self.shards})
-            self._listener.on_reconnect(self._ring_all)
         return self._listener
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> DoorbellConsumer:
