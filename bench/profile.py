@@ -5,7 +5,8 @@ the biggest item and be measured again with the same command. One run starts its
 one Threadline worker process (`--threads` threads), warms it up, then:
 
 1. idle: `--idle-s` of the idle process alone, every command it sends, by name and by script;
-2. saturated: `--turns` turns of `offline:echo` on new conversations, `--inflight` kept in flight
+2. saturated: `--turns` turns of `offline:echo` on new conversations (with `--conversation-turns N`,
+   each conversation takes N turns one after another: N - 1 follow-ups), `--inflight` kept in flight
    (closed loop), metered from the first submission to the last terminal event. While it runs the
    server's `MONITOR` is written to a file by `redis-cli` (the commands a Lua script runs follow
    the EVALSHA that runs it, marked `lua`), `SLOWLOG` records every top-level command with its
@@ -38,6 +39,7 @@ from typing import Any, cast, get_args
 
 import redis
 
+from threadline.pipeline.contracts import new_conversation_id
 from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.stages import DEFAULT_GRAPH
 
@@ -259,17 +261,26 @@ def spy_tables(path: Path, turns: int, top: int) -> list[str]:
     return lines
 
 
-def closed_loop(tl: ThreadlineSystem, agent: str, turns: int, inflight: int, timeout_s: float = 300) -> dict[str, int]:
-    """Run `turns` turns with `inflight` in flight; statuses of their terminal events."""
+def closed_loop(tl: ThreadlineSystem, agent: str, turns: int, inflight: int, timeout_s: float = 300,
+                per_conversation: int = 1) -> dict[str, int]:
+    """Run `turns` turns with `inflight` in flight, each conversation `per_conversation` turns one
+    after another; statuses of their terminal events."""
     following: dict[str, str] = {}
+    #: per followed events key: its conversation and how many turns that conversation has had
+    threads: dict[str, tuple[str, int]] = {}
     submitted = 0
     statuses: Counter[str] = Counter()
 
-    def submit() -> None:
+    def submit(conversation: str | None = None, had: int = 0) -> None:
         nonlocal submitted
         turn_id = uuid.uuid4().hex
-        following[tl.client.keys.events(turn_id)] = "0"
-        tl.client.submit(tl.request(agent, turn_id))
+        key = tl.client.keys.events(turn_id)
+        following[key] = "0"
+        threads[key] = (conversation or new_conversation_id(turn_id), had + 1)
+        request = tl.request(agent, turn_id)
+        if conversation is not None:
+            request["conversation_id"] = conversation
+        tl.client.submit(request)
         submitted += 1
 
     for _ in range(min(inflight, turns)):
@@ -288,10 +299,19 @@ def closed_loop(tl: ThreadlineSystem, agent: str, turns: int, inflight: int, tim
                     continue
                 del following[key]
                 statuses[kind.group(1).decode()] += 1
+                conversation, had = threads.pop(key)
                 if submitted < turns:
-                    submit()
+                    if had < per_conversation:
+                        submit(conversation, had)
+                    else:
+                        submit()
                 break
     return dict(statuses)
+
+
+def _reads(client: redis.Redis) -> int:
+    """The server's read events so far (`total_reads_processed`): its round trips, near enough."""
+    return int(cast(dict[str, Any], client.info("stats"))["total_reads_processed"])
 
 
 def render_tally(title: str, tally: Tally, per: float, unit: str, usec: Counter[str] | None = None) -> list[str]:
@@ -319,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=300, help="turns in the saturated run (default 300)")
     parser.add_argument("--inflight", type=int, default=50, help="turns kept in flight (default 50)")
+    parser.add_argument("--conversation-turns", type=int, default=1,
+                        help="turns per conversation, one after another (default 1: every turn a new one)")
     parser.add_argument("--threads", type=int, default=8, help="threads of the worker process (default 8)")
     parser.add_argument("--idle-s", type=float, default=10.0, help="idle window (default 10 s)")
     parser.add_argument("--py-spy", default=shutil.which("py-spy"), help="py-spy binary (default: on PATH)")
@@ -364,16 +386,18 @@ def run(a: argparse.Namespace, env: dict[str, str], command: str, workdir: Path)
         client.config_resetstat()
         spy = workdir / "worker.pyspy"
         with Monitor(url, workdir / "busy.monitor"), PySpy(a.py_spy, worker.proc.pid, spy, a.rate):
-            statuses = closed_loop(tl, agent, a.turns, a.inflight)
+            statuses = closed_loop(tl, agent, a.turns, a.inflight, per_conversation=a.conversation_turns)
         time.sleep(2)
         progress(f"saturated, timed: {a.turns} turns (SLOWLOG only)")
         client.config_set("slowlog-max-len", 10_000_000)
         client.config_set("slowlog-log-slower-than", 0)
         client.slowlog_reset()
         cpu0, srv0, t0 = process_cpu_s([worker.proc.pid]), server_cpu_s(client), time.monotonic()
-        timed = closed_loop(tl, agent, a.turns, a.inflight)
+        reads0 = _reads(client)
+        timed = closed_loop(tl, agent, a.turns, a.inflight, per_conversation=a.conversation_turns)
         wall = time.monotonic() - t0
         cpu, srv = process_cpu_s([worker.proc.pid]) - cpu0, server_cpu_s(client) - srv0
+        reads = _reads(client) - reads0
         client.config_set("slowlog-log-slower-than", -1)
         usec = slowlog_usec(client, shas, queues)
         busy = parse_monitor(workdir / "busy.monitor", shas, queues)
@@ -389,7 +413,8 @@ def run(a: argparse.Namespace, env: dict[str, str], command: str, workdir: Path)
              f"counted run: {n} turns {statuses} (MONITOR{' and py-spy' if a.py_spy else ''}); timed run: {n} turns "
              f"{timed} in {wall:.1f} s ({n / wall:.1f} turns/s with SLOWLOG on): worker CPU {cpu * 1000 / n:.1f} "
              f"ms/turn, server CPU {srv * 1000 / n:.2f} ms/turn, of which SLOWLOG's top-level commands "
-             f"{sum(usec.values()) / n / 1000:.2f} ms", ""]
+             f"{sum(usec.values()) / n / 1000:.2f} ms; the server's read events {reads / n:.1f} per turn (a request, "
+             f"or a pipeline of them, is one as a rule; the harness's XREADs and submissions included)", ""]
     lines += render_tally("Idle: one worker process, per second", idle, idle_s, "per s")
     lines += ["", *render_tally("Saturated: per turn", busy, n, "per turn", usec)]
     lines += ["", "### Worker CPU", "", *spy_tables(spy, n, a.top)]
