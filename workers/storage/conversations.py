@@ -4,7 +4,7 @@ cached token counts, decisions, summaries, tool-result clearing and deletion."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -115,36 +115,36 @@ class ConversationStore(StoreBase):
     async def load_config(self, agent_id: str, ref: ConfigRef) -> tuple[AgentConfig, str]:
         """The config a turn runs and its reference ("v<N>" or "draft:<id>"), in one command: the
         active version's document is kept in the agent's hash (`active_config`)."""
-        return (await self._with_config(None, agent_id, ref))[1]
+        return (await self._with_config(agent_id, ref, lambda pipe: None))[1]
 
     async def find_with_config(self, conversation_id: str, agent_id: str,
                                ref: ConfigRef) -> tuple[ConversationRecord | None, tuple[AgentConfig, str]]:
         """A conversation's record (None: it does not exist) and the config `ref` names, read in one
         round trip: a new conversation's first turn needs both, and neither depends on the other."""
-        return await self._with_config(conversation_id, agent_id, ref)
+        (fields,), config = await self._with_config(
+            agent_id, ref, lambda pipe: pipe.hgetall(self.keys.conversation(conversation_id)))
+        return conversation_from_hash(conversation_id, text_map(fields)), config
 
     async def config_and_rows(self, agent_id: str, ref: ConfigRef, conversation_id: str,
                               message_ids: Sequence[str]) -> tuple[tuple[AgentConfig, str], list[bool]]:
         """The config `ref` names and whether each of `message_ids` is a row of the conversation, in
         one round trip: what a turn of an existing conversation checks besides its record."""
-        k = self.keys
-        async with self.redis.pipeline(transaction=False) as pipe:
+        def rows(pipe: Any) -> None:
             for message_id in message_ids:
-                pipe.hexists(k.messages(conversation_id), message_id)
-            self._read_config(pipe, agent_id, ref)
-            *rows, reply = await pipe.execute()
-        return await self._config(agent_id, ref, reply), [bool(r) for r in rows]
+                pipe.hexists(self.keys.messages(conversation_id), message_id)
 
-    async def _with_config(self, conversation_id: str | None, agent_id: str,
-                           ref: ConfigRef) -> tuple[ConversationRecord | None, tuple[AgentConfig, str]]:
+        found, config = await self._with_config(agent_id, ref, rows)
+        return config, [bool(r) for r in found]
+
+    async def _with_config(self, agent_id: str, ref: ConfigRef,
+                           queue: Callable[[Any], None]) -> tuple[list[Any], tuple[AgentConfig, str]]:
+        """The replies of the reads `queue` puts on a pipeline, and the config `ref` names, read with
+        them in the same round trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            if conversation_id is not None:
-                pipe.hgetall(self.keys.conversation(conversation_id))
+            queue(pipe)
             self._read_config(pipe, agent_id, ref)
-            replies = await pipe.execute()
-        conversation = (None if conversation_id is None
-                        else conversation_from_hash(conversation_id, text_map(replies[0])))
-        return conversation, await self._config(agent_id, ref, replies[-1])
+            *replies, reply = await pipe.execute()
+        return replies, await self._config(agent_id, ref, reply)
 
     def _read_config(self, pipe: Any, agent_id: str, ref: ConfigRef) -> None:
         """Queue on `pipe` the read of the config `ref` names (`_config` makes it one)."""
