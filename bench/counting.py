@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             prefix = f"tlcount{uuid.uuid4().hex[:8]}"
             client = Client(url, prefix=prefix, policy=model_policy(POLICY))
             with FakeProvider("anthropic", count_delay_s=a.latency_ms / 1000) as fake:
-                model = {"provider": "anthropic", "name": "claude-sonnet-4-5", "base_url": fake.base_url,
+                model = {"provider": "anthropic", "name": "claude-sonnet-5-5", "base_url": fake.base_url,
                          "context_window": 8192, "max_output_tokens": 1024}
                 agents = {label: f"bench-{label}-{uuid.uuid4().hex[:8]}" for label in ("local", "provider")}
                 for label, tokenizer in (("local", "tiktoken:cl100k_base"), ("provider", "provider")):

@@ -15,7 +15,7 @@ front of the kept turns, where it was before it moved behind them (`history.summ
 
 In this process, against the caching fake of Anthropic's API (`tests/support/fake_providers.py`,
 `caching=True`: reads of the longest prefix cached at a breakpoint, writes at each breakpoint of
-1,024 tokens or more): a Claude agent (`claude-sonnet-4-5`, priced by genai-prices) built as the
+1,024 tokens or more): a Claude agent (`claude-sonnet-5-5`, priced by genai-prices) built as the
 workers build it (`build_model`: pydantic-ai's `AnthropicModel` in `PromptCacheModel` and
 `StrictSystemModel`), with ~1,200 tokens of instructions and the `clock` tool. Each turn's history
 is what the history stage makes of the thread (`budgeted_history`: the window from the previous
@@ -68,7 +68,7 @@ from threadline.pipeline.llm import first_sentence, user_prompts
 from threadline.pipeline.records import MessageRecord
 from threadline.pipeline.tokens import count_messages
 
-MODEL = "claude-sonnet-4-5"
+MODEL = "claude-sonnet-5-5"
 LOW_WATER = 0.7
 INSTRUCTIONS = " ".join(f"Rule {i}: answer the customer of Acme politely and check the order first." for i in range(90))
 WORDS = ["order", "parcel", "delivery", "address", "invoice", "refund", "courier", "warehouse", "customer", "week",

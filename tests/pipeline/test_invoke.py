@@ -308,7 +308,7 @@ async def test_the_stream_writes_every_event_in_order_even_when_the_run_is_cance
 
 
 def test_an_anthropic_model_without_its_extra_names_the_extra_to_install() -> None:
-    spec = ModelSpec(provider="anthropic", name="claude-sonnet-4-5")
+    spec = ModelSpec(provider="anthropic", name="claude-sonnet-5-5")
     if importlib.util.find_spec("anthropic") is not None:
         pytest.skip("the anthropic extra is installed here")
     with pytest.raises(ThreadlineError, match=r"threadline\[anthropic\]") as caught:

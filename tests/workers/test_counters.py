@@ -26,7 +26,7 @@ from threadline.workers.worker.tokenizers import load_tokenizer
 
 ENV = {"ANTHROPIC_API_KEY": "sk-fake-anthropic", "GOOGLE_API_KEY": "fake-google",
        "AWS_ACCESS_KEY_ID": "AKIAFAKEBEDROCK", "AWS_SECRET_ACCESS_KEY": "fake-aws-secret", "AWS_REGION": "us-east-1"}
-NAMES: dict[ProviderName, str] = {"anthropic": "claude-sonnet-4-5", "google": "gemini-2.5-flash",
+NAMES: dict[ProviderName, str] = {"anthropic": "claude-sonnet-5-5", "google": "gemini-3.5-flash-lite",
                                   "bedrock": "anthropic.claude-3-5-haiku-20241022-v1:0"}
 COUNT_PATHS = {"anthropic": "/v1/messages/count_tokens", "google": ":countTokens", "bedrock": "/count-tokens"}
 

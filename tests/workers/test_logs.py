@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,45 @@ def test_configured_key_values_are_scrubbed_verbatim() -> None:
     log.info("upstream said", body="bad key opaque-value-1234 and qwen-local-key-99 in /home/someone")
     [line] = lines(stream)
     assert line["body"] == "bad key *** and *** in /home/someone"
+
+
+def test_python_warnings_are_log_lines_and_a_deprecated_model_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pydantic-ai warns on each request to a model its provider deprecated; a worker logs it as one
+    JSON line naming the model and its replacement, and every other warning as a line of its own
+    whose text, which may hold a value, is left for DEBUG."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.test import TestModel
+    from pydantic_ai.profiles import ModelDeprecation, ModelProfile
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
+    stream = configured("INFO")
+    deprecation = ModelDeprecation(source_url="https://example.invalid/deprecations", replacement="claude-sonnet-5-5")
+    model = TestModel(model_name="claude-sonnet-4-5", profile=ModelProfile(deprecation=deprecation))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        Agent(model).run_sync("hello")
+        warnings.warn(f"Expected `str` but got `int` with value {QUERY!r}", UserWarning, stacklevel=1)
+        warnings.warn("pass `keys=` instead", DeprecationWarning, stacklevel=1)
+    output = lines(stream)  # every line is JSON
+    deprecated = [line for line in output if line["event"] == "model_deprecated"]
+    assert len(deprecated) == 1 and deprecated[0]["level"] == "warning"
+    assert "is deprecated by its provider" in deprecated[0]["detail"]
+    assert "claude-sonnet-5-5" in deprecated[0]["detail"]
+    others = [line for line in output if line["event"] == "python_warning"]
+    assert [line["category"] for line in others] == ["UserWarning", "DeprecationWarning"]
+    assert "detail" not in others[0] and QUERY not in json.dumps(output)
+    assert others[1]["detail"] == "pass `keys=` instead" and others[1]["source"].startswith(__file__ + ":")
+
+
+@pytest.mark.parametrize("package", ["httpx", "httpx2"])
+def test_the_http_clients_request_lines_stay_out_of_info(package: str) -> None:
+    """Every model call is an HTTP request through httpx or httpx2 (the provider SDKs' and
+    pydantic-ai's client), each of which logs a line per request at INFO."""
+    import importlib
+
+    http = importlib.import_module(package)
+    stream = configured("INFO")
+    with http.Client(transport=http.MockTransport(lambda request: http.Response(200))) as client:
+        client.get("http://model.invalid/v1/messages")
+    logging.getLogger(package).warning("kept: a warning still shows")
+    assert [line["event"] for line in lines(stream)] == ["kept: a warning still shows"]

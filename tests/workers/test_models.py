@@ -212,7 +212,7 @@ def test_a_missing_key_names_its_variables(provider: str, variables: str) -> Non
 
 
 def test_gemini_takes_gemini_api_key_only_when_google_api_key_is_unset() -> None:
-    spec = ModelSpec(provider="google", name="gemini-2.5-flash")
+    spec = ModelSpec(provider="google", name="gemini-3.5-flash-lite")
     both = build_model(spec, env={"GOOGLE_API_KEY": "google-key-0009", "GEMINI_API_KEY": "gemini-key-0010"})
     google = provider_model(both)
     assert isinstance(google, GoogleModel)

@@ -64,7 +64,7 @@ POLICY = {"TL_BASE_URL_ALLOW": "http://127.0.0.1:", "TL_KEY_ENV_ALLOW": ",".join
 #: Instructions long enough to be cached (~1,500 tokens by the fake's count; Anthropic's minimum is 1,024).
 INSTRUCTIONS = " ".join(f"Rule {i}: answer the customer politely." for i in range(250))
 TENANT_TEXT = "Where is my order 4711?"
-CLAUDE, GPT = "claude-sonnet-4-5", "gpt-4o-mini"
+CLAUDE, GPT = "claude-sonnet-5-5", "gpt-4o-mini"
 
 
 @pytest.fixture(scope="module")

@@ -76,8 +76,8 @@ class Case:
 
 CASES = {c.provider: c for c in [
     Case("openai", "gpt-4o-mini", "OPENAI_API_KEY"),
-    Case("anthropic", "claude-sonnet-4-5", "ANTHROPIC_API_KEY"),
-    Case("google", "gemini-2.5-flash", "GOOGLE_API_KEY"),
+    Case("anthropic", "claude-sonnet-5-5", "ANTHROPIC_API_KEY"),
+    Case("google", "gemini-3.5-flash-lite", "GOOGLE_API_KEY"),
     Case("bedrock", "anthropic.claude-3-5-haiku-20241022-v1:0", "AWS_ACCESS_KEY_ID"),
     Case("groq", "llama-3.3-70b-versatile", "GROQ_API_KEY"),
     Case("mistral", "mistral-small-latest", "MISTRAL_API_KEY"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import warnings
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import IO, Any
 
@@ -24,6 +25,13 @@ _ELIDED = "<message content elided>"
 #: Argument strings shorter than this are not scrubbed out of tracebacks: ids and names, not text.
 _MIN_SCRUBBED_CHARS = 8
 _SCRUBBED = "threadline_scrubbed_exc_text"
+
+#: Python warnings whose text names code, models and versions, never a value: logged with their text
+#: at every level. Any other warning's text (pydantic's serializer names the value it could not
+#: serialize, say) is logged at DEBUG only, like message content.
+_CODE_WARNINGS: tuple[type[Warning], ...] = (DeprecationWarning, PendingDeprecationWarning, FutureWarning,
+                                             ImportWarning)
+_warnings_log = structlog.get_logger("py.warnings")
 
 _secrets_lock = threading.Lock()
 _secrets: tuple[str, ...] = ()
@@ -144,9 +152,27 @@ def _scrubbed_traceback(_: Any, __: str, event: MutableMapping[str, Any]) -> Mut
     return event
 
 
+def _log_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: IO[str] | None = None, line: str | None = None) -> None:
+    """`warnings.showwarning` while logging is configured: a warning is one log line like every
+    other (JSON in production), not plain text in the middle of the stream. A model its provider
+    deprecated (pydantic-ai's `DeprecatedModelWarning`, once per model per process) is
+    `model_deprecated`; any other warning is `python_warning`."""
+    source = f"{filename}:{lineno}"
+    exceptions = sys.modules.get("pydantic_ai.exceptions")  # loaded wherever the warning can come from
+    if exceptions is not None and issubclass(category, exceptions.DeprecatedModelWarning):
+        _warnings_log.warning("model_deprecated", detail=str(message), source=source)
+    elif issubclass(category, _CODE_WARNINGS):
+        _warnings_log.warning("python_warning", category=category.__name__, detail=str(message), source=source)
+    else:
+        _warnings_log.warning("python_warning", category=category.__name__, source=source)
+        _warnings_log.debug("python_warning_text", category=category.__name__, detail=str(message), source=source)
+
+
 def configure_logging(settings: Settings, *, stream: IO[str] | None = None) -> None:
-    """Route structlog and stdlib logging (dramatiq's included) through one handler on `stream`
-    (stderr by default) that redacts credentials and keeps message content out of INFO+ lines."""
+    """Route structlog and stdlib logging (dramatiq's included) and Python warnings through one
+    handler on `stream` (stderr by default) that redacts credentials and keeps message content out of
+    INFO+ lines."""
     for name, value in settings.secrets.items():
         if is_secret_name(name):
             add_secret(value)
@@ -184,8 +210,10 @@ def configure_logging(settings: Settings, *, stream: IO[str] | None = None) -> N
             ],
         )
     )
+    warnings.showwarning = _log_warning
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level)
-    for noisy in ("httpx", "httpcore", "openai"):
+    # a line per HTTP request at INFO; the provider SDKs and pydantic-ai moved to httpx2
+    for noisy in ("httpx", "httpcore", "httpx2", "httpcore2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
