@@ -12,7 +12,7 @@ import dramatiq
 from dramatiq.middleware import Middleware
 
 from threadline.workers.telemetry import metrics
-from threadline.workers.worker.calls import calls_of, ends_later
+from threadline.workers.worker.calls import calls_of, delivery, ends_later
 
 
 class Metrics(Middleware):
@@ -37,8 +37,8 @@ class Metrics(Middleware):
         metrics.WORKER_READY.set(0)
 
     def before_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy) -> None:
-        with self._lock:
-            self._started[message.message_id] = time.perf_counter()
+        with self._lock:  # by delivery: a redelivery may start before the call that redelivered it has ended
+            self._started[delivery(message)] = time.perf_counter()
         metrics.STAGES_RUNNING.labels(message.actor_name).inc()
         if message.options.get("retries"):  # set by dramatiq's Retries when it enqueues a message again
             metrics.REDELIVERIES.labels(message.actor_name).inc()
@@ -54,7 +54,7 @@ class Metrics(Middleware):
 
     def _done(self, message: dramatiq.MessageProxy, outcome: str | None) -> None:
         with self._lock:
-            started = self._started.pop(message.message_id, None)
+            started = self._started.pop(delivery(message), None)
         if started is None:  # skipped before this middleware saw it
             return
         metrics.STAGES_RUNNING.labels(message.actor_name).dec()
