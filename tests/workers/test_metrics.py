@@ -221,6 +221,27 @@ def test_every_metric_moves_with_real_turns(served: Served) -> None:
         assert delta(name, agent=echo, tenant="t1") > 0, name
 
 
+def test_a_redelivery_that_starts_before_its_first_delivery_ends_is_counted_once() -> None:
+    """A model call that raises enqueues its message again before its own end is counted: the two
+    deliveries share a message id, and the gauge of stages running comes back to where it was."""
+    from dramatiq import Message, MessageProxy
+
+    from threadline.workers.worker.middleware.metrics import Metrics
+
+    middleware, stage = Metrics(), "test-redelivered"
+    first = Message(queue_name=stage, actor_name=stage, args=(), kwargs={}, options={"redis_message_id": "a"})
+    second = first.copy(options={"redis_message_id": "b", "retries": 1})
+    def running() -> float | None:
+        return REGISTRY.get_sample_value("threadline_stages_running", {"stage": stage})
+
+    middleware.before_process_message(None, MessageProxy(first))  # type: ignore[arg-type]
+    middleware.before_process_message(None, MessageProxy(second))  # type: ignore[arg-type]
+    assert running() == 2
+    middleware._done(MessageProxy(first), "error")
+    middleware._done(MessageProxy(second), "ok")
+    assert running() == 0
+
+
 @pytest.mark.slow
 def test_a_second_supervisor_on_a_taken_port_warns_once_and_its_workers_run(
         served: Served, redis_url: str, tmp_path: Path) -> None:
