@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import redis
 import structlog
+from dramatiq import Message, MessageProxy
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -44,6 +45,7 @@ from threadline.workers.settings import DEFAULT_METRICS_PORT, Settings
 from threadline.workers.storage.connect import sync_client
 from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
+from threadline.workers.worker.middleware.metrics import Metrics
 
 pytestmark = pytest.mark.integration
 
@@ -224,10 +226,6 @@ def test_every_metric_moves_with_real_turns(served: Served) -> None:
 def test_a_redelivery_that_starts_before_its_first_delivery_ends_is_counted_once() -> None:
     """A model call that raises enqueues its message again before its own end is counted: the two
     deliveries share a message id, and the gauge of stages running comes back to where it was."""
-    from dramatiq import Message, MessageProxy
-
-    from threadline.workers.worker.middleware.metrics import Metrics
-
     middleware, stage = Metrics(), "test-redelivered"
     first = Message(queue_name=stage, actor_name=stage, args=(), kwargs={}, options={"redis_message_id": "a"})
     second = first.copy(options={"redis_message_id": "b", "retries": 1})
