@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from dramatiq.message import Message
 from redis.cluster import RedisCluster
 
@@ -28,6 +29,7 @@ from threadline.workers.clients.client import Client
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.settings import Settings
+from threadline.workers.worker.broker import DoorbellConsumer
 from threadline.workers.worker.process import create_broker
 from threadline.workers.worker.reachability import RETRY_MIN_S
 
@@ -159,5 +161,52 @@ def test_a_retry_enqueued_while_the_cluster_is_down_waits_for_it(tmp_path: Path)
             assert reader.hexists(delayed, done[0].options["redis_message_id"])
         finally:
             reader.close()
+            broker.before_shutdown()
+            broker.close()
+
+
+def test_a_fetch_sent_again_on_a_new_connection_leaves_no_orphan(tmp_path: Path) -> None:
+    """A cluster client sends a command whose node failed again, on a new connection, once the
+    topology says where (`connect.CLUSTER_RETRIES`). A fetch that ran on a primary killed before its
+    reply left runs once more on the replica: what the first run moved into the ack set comes back
+    in no reply, and nothing but this consumer would ever put it back (its process lives). A turn
+    whose admit message it was waited in its conversation's line for ever, once, in the chaos test.
+    Here the first run's effect is made by hand and the connection dropped: the consumer's next
+    fetch reconnects, and the one after it finds the orphan back in the queue."""
+    with Cluster(tmp_path / "retry", replicas=0) as small:
+        url = small.every_node_url
+        settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlr{uuid.uuid4().hex[:6]}", redis_url=url,
+                                       shards=SHARDS)
+        broker = create_broker(settings, url)
+        queue = DEFAULT_GRAPH.first.queue
+        actor = next(name for name, a in broker.actors.items() if a.queue_name == queue)
+        on = broker.keys.on(0)
+        admin = RedisCluster.from_url(url.replace("redis+cluster://", "redis://").split(",")[0])
+        try:
+            consumer = broker.consume(queue, prefetch=1, timeout=50)
+            assert isinstance(consumer, DoorbellConsumer)
+            assert next(consumer) is None  # its first look (a new consumer's sweep) is done
+            orphan = broker.enqueue(Message(queue_name=queue, actor_name=actor, args=({"turn_id": "t"},), kwargs={},
+                                            options={SHARD_OPTION: 0})).options["redis_message_id"]
+            # the first run of a fetch: the id moved from the queue to this process's ack set, no reply
+            assert admin.lrem(on.queue(queue), 0, orphan) == 1
+            admin.sadd(on.acks(broker.broker_id, queue), orphan)
+            node = admin.get_node_from_key(on.queue(queue))
+            killed = redis.Redis(host=node.host, port=node.port).client_kill_filter(_type="normal", skipme=True)
+            assert killed >= 1  # the broker's connections to that primary
+
+            got: list[str] = []
+
+            def fetched() -> bool:
+                message = next(consumer)
+                if message is not None:
+                    got.append(message.options["redis_message_id"])
+                return bool(got)
+
+            wait_until(fetched, timeout_s=30)
+            assert got == [orphan]
+            assert admin.smembers(on.acks(broker.broker_id, queue)) == {orphan.encode()}  # held now, once
+        finally:
+            admin.close()
             broker.before_shutdown()
             broker.close()

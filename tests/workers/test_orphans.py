@@ -43,11 +43,24 @@ QUEUE = DEFAULT_GRAPH.stages[1].queue
 SHARD = 0
 
 
+def make_broker(redis_url: str, **settings: Any) -> DoorbellBroker:
+    return create_broker(dataclasses.replace(
+        Settings.from_env({}), prefix=f"tlo{uuid.uuid4().hex[:8]}", redis_url=redis_url,
+        shards=shards_from_env(),  # the session's layout (a cluster's is sharded)
+        **settings), redis_url)
+
+
 @pytest.fixture
 def broker(redis_url: str) -> Iterator[DoorbellBroker]:
-    settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlo{uuid.uuid4().hex[:8]}", redis_url=redis_url,
-                                   shards=shards_from_env())  # the session's layout (a cluster's is sharded)
-    made = create_broker(settings, redis_url)
+    made = make_broker(redis_url)
+    yield made
+    close_broker(made, redis_url)
+
+
+@pytest.fixture
+def polling_broker(redis_url: str) -> Iterator[DoorbellBroker]:
+    """One whose consumers that find nothing wait 50 ms, not a poll interval."""
+    made = make_broker(redis_url, idle_poll_ms=50, delay_poll_ms=50)
     yield made
     close_broker(made, redis_url)
 
@@ -108,6 +121,28 @@ def test_a_fetch_whose_reply_was_lost_is_put_back(broker: DoorbellBroker) -> Non
 
     message = next(broker.consume(QUEUE, prefetch=1, timeout=50))
     assert message is not None and message.options["redis_message_id"] == orphan
+
+
+def test_a_consumer_looks_again_after_any_new_connection_of_its_process(polling_broker: DoorbellBroker) -> None:
+    """A cluster client sends a command whose node failed again on the node that replaced it, and
+    the first of the process's calls to get there makes the one connection: the consumer whose fetch
+    (or unreplicated ack) left an orphan may not be that caller, and gets no error to start anew on."""
+    broker = polling_broker
+    consumer = broker.consume(QUEUE, prefetch=1, timeout=50)
+    # its first look for orphans, and the one after it (the first made the client's connection)
+    assert next(consumer) is None and next(consumer) is None
+    (orphan,) = enqueue(broker, 1)
+    broker.client.lrem(broker.keys.on(SHARD).queue(QUEUE), 0, orphan)
+    broker.client.sadd(acks_key(broker), orphan)
+    assert next(consumer) is None  # nothing tells it yet
+
+    # every connection dropped: the next call makes a new one (a cluster client has a pool per node)
+    client: Any = broker.client
+    client.disconnect_connection_pools() if hasattr(client, "nodes_manager") else client.connection_pool.disconnect()
+    assert broker.client.ping()
+    message = next(consumer)
+    assert message is not None and message.options["redis_message_id"] == orphan
+    assert acks(broker) == {orphan}
 
 
 def test_a_message_whose_ack_was_not_sent_stays_held(broker: DoorbellBroker, monkeypatch: pytest.MonkeyPatch) -> None:

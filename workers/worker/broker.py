@@ -105,10 +105,13 @@ class _PollGroup:
 class DoorbellBroker(RedisBroker):
     def __init__(self, *, settings: Settings, url: str, slow_queues: frozenset[str] = frozenset(),
                  entry_queues: frozenset[str] | None = None, **kwargs: Any) -> None:
+        #: How many connections the client has made (`_connected`): one more means a command may have
+        #: been sent again on a new connection after its reply was lost (`DoorbellConsumer.__next__`).
+        self.connections = 0
+        self._cluster = is_cluster(url)
         # a cluster URL: redis-py's RedisCluster, which routes each call by its keys' slot
-        client = sync_client(url) if is_cluster(url) else None
-        super().__init__(url=None if client else url, client=client,  # type: ignore[no-untyped-call]
-                         namespace=settings.broker_namespace, **kwargs)
+        client = sync_client(url, redis_connect_func=self._connected)
+        super().__init__(client=client, namespace=settings.broker_namespace, **kwargs)  # type: ignore[no-untyped-call]
         self.settings = settings
         #: Queues of model stages: their calls run detached (`calls.py`), their acks wait for them.
         self.slow_queues = slow_queues
@@ -143,6 +146,13 @@ class DoorbellBroker(RedisBroker):
         #: Sharded layout: the queues consumed here by their poll interval (ms), polled together.
         self._poll_groups: dict[int, _PollGroup] = {}
         self._dispatch_script = self.client.register_script(lua.source("dispatch"))
+
+    def _connected(self, connection: redis.connection.AbstractConnection) -> None:
+        """Each new connection's handshake (redis-py's `redis_connect_func`: a cluster client has done
+        it already, one server's client leaves it to this), counted."""
+        if not self._cluster:
+            connection.on_connect()
+        self.connections += 1
 
     @property
     def listener(self) -> Listener:
@@ -460,8 +470,9 @@ class DoorbellConsumer(_RedisConsumer):
         # The dead-letter set is the canonical queue's: `resolve.DQ` -> `resolve.XQ`.
         self.canonical_queue = q_name(queue_name)
         self._dead_letter_script = broker.client.register_script(lua.source("dead_letter"))
-        #: Look for orphans before the first fetch (`_requeue_orphans`).
-        self._sweep = True
+        #: The broker's `connections` when this consumer last looked for orphans (`_requeue_orphans`);
+        #: None: it never did.
+        self._swept_at: int | None = None
         #: Sharded layout: the shards the next look fetches from, in order (rung, or full at their last
         #: fetch: they may hold more); one that answers fewer messages than asked for leaves.
         self._pending: dict[Shard, None] = {}
@@ -646,9 +657,17 @@ class DoorbellConsumer(_RedisConsumer):
         consumer's fetched, not yet handed out messages with it) and the ones of a fetch whose reply
         was lost. dramatiq gives them back only when the process is gone; without this, their turns
         would wait for the watchdog's stall time (a delay queue's: every message its last consumer
-        handed out, see below). Runs before a new consumer's first fetch, on the consumer thread."""
+        handed out, see below) — and a turn whose admit message it was, for ever: no index knows a
+        turn not admitted yet. Runs on the consumer thread with nothing fetched and not handed out:
+        before a new consumer's first fetch, and before the first fetch after the client made a
+        connection (any part of the process: the one to a failed primary's replica is made once).
+        A cluster client sends a command whose node failed again once the topology says where
+        (`connect.CLUSTER_RETRIES`): a fetch that ran on a primary killed before it replied runs once
+        more on its replica and returns nothing of what the first run took; and an ack the primary
+        answered but did not pass on before it died is not on its replica."""
+        connections = self.broker.connections
         with self.broker.held_lock:
-            if self.delayed:
+            if self.delayed and self._swept_at is None:
                 # a delay queue's messages wait in its consumer thread until their eta, and dramatiq
                 # drops that wait list with a consumer that lost its connection: none is held now
                 self.broker.held.pop(self.queue_name, None)
@@ -671,13 +690,13 @@ class DoorbellConsumer(_RedisConsumer):
             metrics.ORPHANS_REQUEUED.labels(self.queue_name).inc(len(orphans))
             log.warning("orphaned_messages_requeued", queue=self.queue_name, messages=len(orphans),
                         **({} if shard is None else {"shard": shard}))
+        self._swept_at = connections
 
     def __next__(self) -> dramatiq.MessageProxy | None:
         try:
-            if self._sweep:
-                self._requeue_orphans()
-                self._sweep = False
             while True:
+                if not self.message_cache and self._swept_at != self.broker.connections:
+                    self._requeue_orphans()
                 if self.message_cache:
                     proxy = self.message_cache.pop(0)
                     self.misses = 0
