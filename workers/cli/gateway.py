@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,13 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 
     sync_client(url).ping()  # unreachable: one line and exit 4, before the port is taken
     print(f"threadline: gateway on http://{args.host}:{args.port} for {display_url(url)}", file=sys.stderr)
-    uvicorn.run(create_app(settings, url, console_dir=console), host=args.host, port=args.port, log_level="warning")
+    app = create_app(settings, url, console_dir=console)
+    # What start-up loaded (~130,000 objects: FastAPI, pydantic, redis-py, the routes' models) out of
+    # every full collection of the garbage collector, which stops every stream's task while it scans
+    # (a worker's `settle_heap`; docs/capacity.md)
+    gc.collect()
+    gc.freeze()
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
