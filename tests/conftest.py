@@ -103,6 +103,18 @@ def prefix(redis_url: str) -> Iterator[str]:
     client.close()
 
 
+@pytest.fixture
+def own_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of the test's own, which no worker serves (the session's `prefix` is consumed by
+    the shared `workers` pool once any test has started it): for tests that read what they enqueued
+    or compare every key before and after. Every key under it removed afterwards."""
+    name = f"tlo{uuid.uuid4().hex[:8]}"
+    yield name
+    client = sync_client(redis_url)
+    drop_prefix(client, name)
+    client.close()
+
+
 class WorkerPool:
     """Real worker processes (`python -m threadline.workers.worker`) against the test server."""
 

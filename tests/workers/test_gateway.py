@@ -450,8 +450,10 @@ def test_keys_create_and_gateway_commands(api: Api, redis_url: str, prefix: str,
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.setenv("TL_PREFIX", prefix)
     assert run(["keys", "create", "tc-cli"]) == 0
-    key = capsys.readouterr().out.strip()
-    assert key.startswith("tlk_") and key.encode() not in b"".join(api.client.redis.hvals(api.client.keys.api_keys()))
+    printed = capsys.readouterr()
+    key = printed.out.strip()
+    assert key.startswith("tlk_"), printed
+    assert key.encode() not in b"".join(api.client.redis.hvals(api.client.keys.api_keys()))
     with api.http(key) as http:
         assert http.get("/v1/conversations").json() == {"conversations": []}
     assert run(["keys", "create", "not:a:tenant"]) == 2

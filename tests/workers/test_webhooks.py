@@ -36,7 +36,6 @@ from threadline.workers.gateway.tenancy import inside
 from threadline.workers.protocol.names import WEBHOOK_ACTOR, WEBHOOK_QUEUE
 from threadline.workers.settings import Settings
 from threadline.workers.storage.api_keys import KeyRing
-from threadline.workers.storage.connect import sync_client
 from threadline.workers.storage.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,16 +234,17 @@ def test_private_hosts_are_refused_by_default_and_the_turn_still_succeeds(
 
 @pytest.mark.integration
 def test_an_invalid_webhook_url_is_refused_at_submit_and_nothing_is_written(
-        client: Client, make_agent: AgentFactory, prefix: str, redis_url: str) -> None:
-    agent = make_agent()
-    r = sync_client(redis_url)
-    before = sorted(r.scan_iter(f"{prefix}:*", count=1000))
-    with pytest.raises(InvalidRequest) as refused:
-        client.start(turn(agent, "hello", turn_id=f"bad-hook-{uuid.uuid4().hex[:8]}",
-                          webhook_url="file:///etc/passwd"))
-    assert refused.value.code == "invalid_request" and "webhook_url" in refused.value.message
-    assert sorted(r.scan_iter(f"{prefix}:*", count=1000)) == before
-    r.close()
+        own_prefix: str, redis_url: str) -> None:
+    with Client(redis_url, prefix=own_prefix) as client:
+        agent = f"agent-{uuid.uuid4().hex[:8]}"
+        client.put_agent(AgentConfig.model_validate({"id": agent, "model": "offline:echo"}))
+        r = client.redis
+        before = sorted(r.scan_iter(f"{own_prefix}:*", count=1000))
+        with pytest.raises(InvalidRequest) as refused:
+            client.start(turn(agent, "hello", turn_id=f"bad-hook-{uuid.uuid4().hex[:8]}",
+                              webhook_url="file:///etc/passwd"))
+        assert refused.value.code == "invalid_request" and "webhook_url" in refused.value.message
+        assert sorted(r.scan_iter(f"{own_prefix}:*", count=1000)) == before
 
 
 def test_the_cli_refuses_a_key_with_a_bad_webhook_url_and_rotates_a_secret(
@@ -270,8 +270,10 @@ def test_the_cli_refuses_a_key_with_a_bad_webhook_url_and_rotates_a_secret(
 
 
 def test_submit_takes_a_webhook_url_and_refuses_a_bad_one_writing_nothing(
-        redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        redis_url: str, own_prefix: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
+    """On a prefix no worker serves: the submitted turn's message is read where it waits."""
+    prefix = own_prefix
     cli_env(monkeypatch, redis_url=redis_url, prefix=prefix, data_dir=tmp_path)
     run = cli_runner(capsys, verb=("submit",))
     with Client(redis_url, prefix=prefix) as client:

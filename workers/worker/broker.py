@@ -151,7 +151,7 @@ class DoorbellBroker(RedisBroker):
         """Each new connection's handshake (redis-py's `redis_connect_func`: a cluster client has done
         it already, one server's client leaves it to this), counted."""
         if not self._cluster:
-            connection.on_connect()
+            connection.on_connect_check_health(check_health=True)
         self.connections += 1
 
     @property
