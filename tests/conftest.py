@@ -233,7 +233,7 @@ def own_pool(redis_url: str, log_dir: Path, *, tag: str, processes: int = 1, thr
 
 @pytest.fixture(scope="session")
 def workers(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
-    pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs")).start()
+    pool = WorkerPool(redis_url, prefix, tmp_path_factory.mktemp("logs")).start(processes=1)
     yield pool
     pool.stop()
 
