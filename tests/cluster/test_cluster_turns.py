@@ -29,7 +29,7 @@ from threadline.workers.clients.client import Client
 from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.settings import Settings
-from threadline.workers.worker.broker import DoorbellConsumer
+from threadline.workers.worker.broker import DoorbellBroker, DoorbellConsumer
 from threadline.workers.worker.process import create_broker
 from threadline.workers.worker.reachability import RETRY_MIN_S
 
@@ -124,6 +124,16 @@ def test_a_killed_primary_fails_over_and_every_turn_ends_once(cluster: Cluster, 
         pool.discard()
 
 
+def first_stage_broker(url: str, *, tag: str) -> tuple[DoorbellBroker, str, str]:
+    """A sharded broker on the cluster at `url`, under a prefix of its own; the first stage's queue
+    and actor name."""
+    settings = dataclasses.replace(Settings.from_env({}), prefix=f"{tag}{uuid.uuid4().hex[:6]}", redis_url=url,
+                                   shards=SHARDS)
+    broker = create_broker(settings, url)
+    queue = DEFAULT_GRAPH.first.queue
+    return broker, queue, next(name for name, a in broker.actors.items() if a.queue_name == queue)
+
+
 def test_a_retry_enqueued_while_the_cluster_is_down_waits_for_it(tmp_path: Path) -> None:
     """dramatiq's Retries enqueues a failed message's retry, then the message is acked. A cluster
     whose stopped primary has no replica answers CLUSTERDOWN to every command until that primary is
@@ -131,11 +141,7 @@ def test_a_retry_enqueued_while_the_cluster_is_down_waits_for_it(tmp_path: Path)
     admit message was, once, in the chaos test on a cluster)."""
     with Cluster(tmp_path / "down", replicas=0) as down:
         url = down.every_node_url
-        settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlq{uuid.uuid4().hex[:6]}", redis_url=url,
-                                       shards=SHARDS)
-        broker = create_broker(settings, url)
-        queue = DEFAULT_GRAPH.first.queue
-        actor = next(name for name, a in broker.actors.items() if a.queue_name == queue)
+        broker, queue, actor = first_stage_broker(url, tag="tlq")
         message = Message(queue_name=queue, actor_name=actor, args=({"turn_id": "t"},), kwargs={},
                           options={SHARD_OPTION: 0})
         delayed = broker.keys.on(0).queue_messages(f"{queue}.DQ")
@@ -175,11 +181,7 @@ def test_a_fetch_sent_again_on_a_new_connection_leaves_no_orphan(tmp_path: Path)
     fetch reconnects, and the one after it finds the orphan back in the queue."""
     with Cluster(tmp_path / "retry", replicas=0) as small:
         url = small.every_node_url
-        settings = dataclasses.replace(Settings.from_env({}), prefix=f"tlr{uuid.uuid4().hex[:6]}", redis_url=url,
-                                       shards=SHARDS)
-        broker = create_broker(settings, url)
-        queue = DEFAULT_GRAPH.first.queue
-        actor = next(name for name, a in broker.actors.items() if a.queue_name == queue)
+        broker, queue, actor = first_stage_broker(url, tag="tlr")
         on = broker.keys.on(0)
         admin = RedisCluster.from_url(url.replace("redis+cluster://", "redis://").split(",")[0])
         try:
