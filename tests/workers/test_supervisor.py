@@ -99,6 +99,9 @@ def test_a_worker_without_redis_logs_one_error_then_works_once_redis_is_there(tm
         assert len(after) <= 5, after
         said = [json.loads(line) for line in lines]
         assert [e["event"] for e in said].count("redis_unreachable") == 1, lines
+        # its imports ran with collection off (`__main__`); it serves with collection on, its imports frozen
+        started = next(e for e in said if e["event"] == "worker_started")
+        assert started["gc_enabled"] is True and started["heap_frozen"] > 100_000, started
         assert not [e for e in said if e["level"] == "critical"], lines
 
         server.start()

@@ -126,12 +126,14 @@ def settle_heap() -> None:
     holds ~110,000 objects from its imports and ~30,000 more from genai-prices' price table (which
     pydantic-ai loads on a run's first response, loaded here first), and a full collection scanned
     them all, 30-100 ms with every thread stopped, about 20 times in 1,300 turns. Frozen, they stay in
-    memory as they would anyway; a full collection scans only what came after (docs/capacity.md)."""
+    memory as they would anyway; a full collection scans only what came after (docs/capacity.md).
+    Collection is on from here, if the process's entry point turned it off for its imports."""
     from genai_prices.data_snapshot import get_snapshot
 
     get_snapshot()
     gc.collect()
     gc.freeze()
+    gc.enable()
 
 
 def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: int | None = None) -> None:
@@ -144,7 +146,7 @@ def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: 
         signal.signal(sig, lambda *_: stop.set())
     broker, worker = start_worker(settings, url, queues=queues, threads=threads)
     log.info("worker_started", pid=os.getpid(), queues=sorted(queues or all_queues(DEFAULT_GRAPH)),
-             threads=worker.worker_threads)
+             threads=worker.worker_threads, gc_enabled=gc.isenabled(), heap_frozen=gc.get_freeze_count())
     stop.wait()
     started = time.monotonic()
     log.info("worker_stopping", pid=os.getpid(), grace_s=settings.shutdown_grace_s)
