@@ -370,7 +370,8 @@ def test_one_poll_reads_every_queue_of_its_interval_on_every_shard_for_all_their
         mine, theirs = made.consume(QUEUE, prefetch=1), made.consume("other", prefetch=1)
         group = made._poll_groups[30_000]
         # subscribed: the listener rang every consumer once (any shard may have messages: a poll is due)
-        wait_until(lambda: mine.ring.is_set() and theirs.ring.is_set(), timeout_s=10)
+        rung = poll(lambda: mine.ring.is_set() and theirs.ring.is_set(), timeout_s=10)
+        assert rung, {"mine": mine.ring.is_set(), "theirs": theirs.ring.is_set()}  # which one, if it fails again
         threading.Thread(target=lambda: next(mine), daemon=True).start()  # its first look polls the group
         wait_until(lambda: group.started_at > float("-inf"), timeout_s=10)
         polled = group.started_at
