@@ -5,24 +5,19 @@ And the secrets policy where workers build models and where `agents put` registe
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import ModelAPIError
 from pydantic_ai.models import override_allow_model_requests
-from pydantic_ai.models.anthropic import AnthropicModel
-from pydantic_ai.models.bedrock import BedrockConverseModel
-from pydantic_ai.models.google import GoogleModel
-from pydantic_ai.models.groq import GroqModel
-from pydantic_ai.models.mistral import MistralModel
-from pydantic_ai.models.openai import OpenAIChatModel
 
 from tests.conftest import WorkerPool, turn
 from tests.support.local_http import LocalServer
@@ -42,16 +37,24 @@ KEYS = {
     "GEMINI_API_KEY": "gemini-test-0003", "GROQ_API_KEY": "groq-test-0004", "MISTRAL_API_KEY": "mistral-test-0005",
     "AWS_ACCESS_KEY_ID": "AKIATEST0006", "AWS_SECRET_ACCESS_KEY": "aws-secret-test-0007",
 }
-#: provider → (the pydantic-ai model class, the path its request goes to under the base URL, the key
-#: (Bedrock: the access key id of its signature) one of the request's headers carries)
-HOSTED: dict[str, tuple[type[Any], str, str]] = {
-    "openai": (OpenAIChatModel, "/v1/chat/completions", "sk-openai-test-0001"),
-    "anthropic": (AnthropicModel, "/v1/messages", "anthropic-test-0002"),
-    "google": (GoogleModel, "/v1beta/models/m:generateContent", "gemini-test-0003"),
-    "bedrock": (BedrockConverseModel, "/model/m/converse", "AKIATEST0006"),
-    "groq": (GroqModel, "/openai/v1/chat/completions", "groq-test-0004"),
-    "mistral": (MistralModel, "/v1/chat/completions", "mistral-test-0005"),
+#: provider → (the pydantic-ai model class by its module's name, the path its request goes to under the
+#: base URL, the key (Bedrock: the access key id of its signature) one of the request's headers carries).
+#: The SDKs are imported by the tests that use them (`model_class`): importing all six took ~3 s of
+#: every xdist process's collection.
+HOSTED: dict[str, tuple[str, str, str]] = {
+    "openai": ("openai:OpenAIChatModel", "/v1/chat/completions", "sk-openai-test-0001"),
+    "anthropic": ("anthropic:AnthropicModel", "/v1/messages", "anthropic-test-0002"),
+    "google": ("google:GoogleModel", "/v1beta/models/m:generateContent", "gemini-test-0003"),
+    "bedrock": ("bedrock:BedrockConverseModel", "/model/m/converse", "AKIATEST0006"),
+    "groq": ("groq:GroqModel", "/openai/v1/chat/completions", "groq-test-0004"),
+    "mistral": ("mistral:MistralModel", "/v1/chat/completions", "mistral-test-0005"),
 }
+
+
+def model_class(provider: str) -> type[Any]:
+    """The pydantic-ai model class a hosted provider's config builds."""
+    module, name = HOSTED[provider][0].split(":")
+    return cast(type[Any], getattr(importlib.import_module(f"pydantic_ai.models.{module}"), name))
 COMPATIBLE = ("openai-compatible", "vllm", "ollama")
 
 
@@ -123,10 +126,10 @@ async def call(model: Any) -> BaseException:
 @pytest.mark.parametrize("provider", sorted(HOSTED))
 async def test_each_provider_sends_one_request_with_its_key_to_the_base_url(provider: str,
                                                                             server_429: Refusing) -> None:
-    model_class, path, key = HOSTED[provider]
+    _, path, key = HOSTED[provider]
     spec = ModelSpec(provider=provider, name="m", base_url=server_429.base_url(provider))  # type: ignore[arg-type]
     model = build_model(spec, env=KEYS)
-    assert isinstance(provider_model(model), model_class)
+    assert isinstance(provider_model(model), model_class(provider))
     error = await call(model)
     # exactly one HTTP request: the SDK's own retries are off (Threadline's invoke retry is the only one)
     assert [r.path for r in server_429.requests] == [path]
@@ -189,7 +192,7 @@ def test_the_openai_shorthand_uses_openai_api_key() -> None:
     config = AgentConfig.model_validate({"id": "a", "model": "openai:gpt-4o-mini"})
     model = build_model(config.model, env={"OPENAI_API_KEY": KEYS["OPENAI_API_KEY"]})
     openai = provider_model(model)
-    assert isinstance(openai, OpenAIChatModel)
+    assert isinstance(openai, model_class("openai"))
     assert openai.client.api_key == KEYS["OPENAI_API_KEY"]
     assert openai.client.max_retries == 0
 
@@ -215,7 +218,7 @@ def test_gemini_takes_gemini_api_key_only_when_google_api_key_is_unset() -> None
     spec = ModelSpec(provider="google", name="gemini-3.5-flash-lite")
     both = build_model(spec, env={"GOOGLE_API_KEY": "google-key-0009", "GEMINI_API_KEY": "gemini-key-0010"})
     google = provider_model(both)
-    assert isinstance(google, GoogleModel)
+    assert isinstance(google, model_class("google"))
     assert google.client._api_client.api_key == "google-key-0009"
     assert model_secrets(spec, {"GOOGLE_API_KEY": "google-key-0009", "GEMINI_API_KEY": "gemini-key-0010"}) == [
         "google-key-0009", "gemini-key-0010"]
@@ -225,7 +228,7 @@ def test_bedrock_takes_a_bearer_token_and_its_region_from_the_environment() -> N
     spec = ModelSpec(provider="bedrock", name="m")
     model = build_model(spec, env={"AWS_BEARER_TOKEN_BEDROCK": "bedrock-token-0011", "AWS_REGION": "eu-west-3"})
     bedrock = provider_model(model)
-    assert isinstance(bedrock, BedrockConverseModel)
+    assert isinstance(bedrock, model_class("bedrock"))
     client = bedrock.client
     assert client.meta.region_name == "eu-west-3"
     assert client.meta.config.signature_version == "bearer"
