@@ -984,8 +984,12 @@ def run_case(h: Hostile, case: Case) -> None:
     # every outcome is written before its message is acked, and every hand-over enqueues the next
     # message in the script that ends the stage: once dramatiq holds nothing, the case has settled
     settled = h.settle(3.0 if case.bug else WAIT_S)
-    if sent.side:  # the turns a case expects to end have ended before anything is compared
-        for tid in sent.side:
+    # the turns a case expects to end have ended before anything is compared, its own included: the
+    # scan of dramatiq's keys read empty twice while a gateway-submitted turn was still at its invoke
+    # stage (once, in a fresh clone's run; why it read empty is not known)
+    ending = [*sent.side, *([sent.stream] if isinstance(case.expect, Terminal) and sent.stream else [])]
+    if ending:
+        for tid in ending:
             h.wait_terminal(tid, timeout_s=3.0 if case.bug else WAIT_S)
         settled = settled and h.settle(3.0 if case.bug else WAIT_S)
     leftovers = [] if settled else h.drop_leftovers()
