@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -183,8 +184,21 @@ class WorkerPool:
             try:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
+                self.dump_stacks(p)
                 p.kill()
                 p.wait()
+
+    def dump_stacks(self, p: subprocess.Popen[bytes]) -> None:
+        """Have a process that would not stop write its threads' stacks to the log (SIGUSR1), so that
+        the test that finds it killed can say where it hung."""
+        before = self.log_path.stat().st_size
+        p.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and p.poll() is None:
+            if b"Current thread" in self.log_path.read_bytes()[before:]:
+                time.sleep(0.2)  # the handler writes the whole dump at once: a moment for its last lines
+                return
+            time.sleep(0.05)
 
     def discard(self) -> None:
         """Kill the processes at once: for fixtures whose key prefix is dropped right after (a graceful

@@ -136,8 +136,8 @@ def test_a_fast_stage_in_flight_when_its_worker_stops_completes(redis_url: str) 
 
 
 def test_stopping_workers_put_back_what_they_fetched_and_say_goodbye(redis_url: str, tmp_path: Path) -> None:
-    """A stopped process leaves no heartbeat behind (its turns are taken over at once, not after a
-    timeout) and no message in its ack sets."""
+    """A process asked for its stacks writes them and goes on; a stopped one leaves no heartbeat
+    behind (its turns are taken over at once, not after a timeout) and no message in its ack sets."""
     prefix = f"tlg{uuid.uuid4().hex[:8]}"
     pool = WorkerPool(redis_url, prefix, tmp_path).start(processes=1)
     r = sync_client(redis_url)
@@ -146,8 +146,12 @@ def test_stopping_workers_put_back_what_they_fetched_and_say_goodbye(redis_url: 
     heartbeats = keys.worker("*")
     try:
         wait_until(lambda: bool(list(r.scan_iter(heartbeats))), timeout_s=10)  # its first heartbeat
+        # asked, a process writes every thread's stack to its log (and goes on: SIGUSR1 is no stop)
+        pool.dump_stacks(pool.procs[0])
+        stacks = pool.log_path.read_text()
+        assert "Current thread" in stacks and "listener.py" in stacks and pool.alive(), pool.log_tail()
         pool.stop()
-        assert pool.procs[0].returncode == 0
+        assert pool.procs[0].returncode == 0, pool.log_tail(200)  # -9: killed; the log ends with its stacks
         assert not list(r.scan_iter(heartbeats))
         assert not [k for shard in keys.every_shard() for k in r.scan_iter(shard.acks("*", "*")) if r.scard(k)]
     finally:

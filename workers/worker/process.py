@@ -10,6 +10,7 @@ SIGTERM/SIGINT: each child hands its turns back (`middleware/liveness.py`) withi
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -144,6 +145,9 @@ def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    # `kill -USR1 <pid>`: every thread's stack to stderr, for a process that is stuck (even one whose
+    # main thread is blocked in C, which a Python-level handler would never reach)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     broker, worker = start_worker(settings, url, queues=queues, threads=threads)
     log.info("worker_started", pid=os.getpid(), queues=sorted(queues or all_queues(DEFAULT_GRAPH)),
              threads=worker.worker_threads, gc_enabled=gc.isenabled(), heap_frozen=gc.get_freeze_count())
