@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from threadline.workers.worker import process
+
 PROBE = """
 import gc, json
 from threadline.workers.worker import process
@@ -20,7 +22,8 @@ before = len(gc.get_objects(2))
 for _ in range(3):
     Agent(TestModel()).run_sync("hello")  # a run's first response loads genai-prices' price table
 gc.collect()
-print(json.dumps({"before": before, "after": len(gc.get_objects(2)), "frozen": gc.get_freeze_count()}))
+print(json.dumps({"before": before, "after": len(gc.get_objects(2)), "frozen": gc.get_freeze_count(),
+                  "gen0": gc.get_threshold()[0]}))
 """
 
 
@@ -34,5 +37,6 @@ def test_a_full_collection_after_start_up_scans_only_what_the_turns_left() -> No
     settled, plain = heap(True), heap(False)
     assert plain["frozen"] == 0 and plain["after"] > 100_000  # every import's objects, scanned each time
     assert settled["frozen"] > 100_000
+    assert (settled["gen0"], plain["gen0"]) == (process.GEN0_THRESHOLD, 700)  # the young generation's budget
     # what the runs keep (pydantic-ai's caches, the agents' schemas) is all a full collection scans now
     assert settled["before"] < 1_000 and settled["after"] < 10_000, settled

@@ -23,7 +23,7 @@ from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.storage.connect import sync_client
-from threadline.workers.worker.process import Supervisor, restart_delay_s
+from threadline.workers.worker.process import GEN0_THRESHOLD, Supervisor, restart_delay_s
 from threadline.workers.worker.reachability import Reachability
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -102,6 +102,7 @@ def test_a_worker_without_redis_logs_one_error_then_works_once_redis_is_there(tm
         # its imports ran with collection off (`__main__`); it serves with collection on, its imports frozen
         started = next(e for e in said if e["event"] == "worker_started")
         assert started["gc_enabled"] is True and started["heap_frozen"] > 100_000, started
+        assert started["gc_threshold"] == GEN0_THRESHOLD, started
         assert not [e for e in said if e["level"] == "critical"], lines
 
         server.start()

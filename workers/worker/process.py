@@ -122,18 +122,27 @@ def _claim_later(broker: DoorbellBroker, settings: Settings, url: str) -> None:
         return
 
 
+#: Allocations (less deallocations) between two young-generation collections: 10x CPython's 700. A
+#: turn allocates tens of thousands of short-lived objects; the bigger budget cut worker CPU per turn
+#: 3-5% in paired `bench.run --phases throughput` runs (docs/capacity.md), and runs the older
+#: generations' collections, which follow every 10th younger one, as much less often.
+GEN0_THRESHOLD = 7_000
+
+
 def settle_heap() -> None:
     """Leave what the process has loaded out of the garbage collector's full collections: a worker
     holds ~110,000 objects from its imports and ~30,000 more from genai-prices' price table (which
     pydantic-ai loads on a run's first response, loaded here first), and a full collection scanned
     them all, 30-100 ms with every thread stopped, about 20 times in 1,300 turns. Frozen, they stay in
     memory as they would anyway; a full collection scans only what came after (docs/capacity.md).
-    Collection is on from here, if the process's entry point turned it off for its imports."""
+    Collection is on from here, if the process's entry point turned it off for its imports, with a
+    young generation of GEN0_THRESHOLD."""
     from genai_prices.data_snapshot import get_snapshot
 
     get_snapshot()
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
     gc.enable()
 
 
@@ -150,7 +159,8 @@ def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     broker, worker = start_worker(settings, url, queues=queues, threads=threads)
     log.info("worker_started", pid=os.getpid(), queues=sorted(queues or all_queues(DEFAULT_GRAPH)),
-             threads=worker.worker_threads, gc_enabled=gc.isenabled(), heap_frozen=gc.get_freeze_count())
+             threads=worker.worker_threads, gc_enabled=gc.isenabled(), heap_frozen=gc.get_freeze_count(),
+             gc_threshold=gc.get_threshold()[0])
     stop.wait()
     started = time.monotonic()
     log.info("worker_stopping", pid=os.getpid(), grace_s=settings.shutdown_grace_s)
