@@ -37,6 +37,7 @@ def test_a_full_collection_after_start_up_scans_only_what_the_turns_left() -> No
     settled, plain = heap(True), heap(False)
     assert plain["frozen"] == 0 and plain["after"] > 100_000  # every import's objects, scanned each time
     assert settled["frozen"] > 100_000
-    assert (settled["gen0"], plain["gen0"]) == (process.GEN0_THRESHOLD, 700)  # the young generation's budget
+    # the young generation's budget is the worker's, not CPython's default (700 on 3.11 and 3.12)
+    assert settled["gen0"] == process.GEN0_THRESHOLD != plain["gen0"], (settled, plain)
     # what the runs keep (pydantic-ai's caches, the agents' schemas) is all a full collection scans now
     assert settled["before"] < 1_000 and settled["after"] < 10_000, settled

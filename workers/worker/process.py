@@ -122,10 +122,10 @@ def _claim_later(broker: DoorbellBroker, settings: Settings, url: str) -> None:
         return
 
 
-#: Allocations (less deallocations) between two young-generation collections: 10x CPython's 700. A
-#: turn allocates tens of thousands of short-lived objects; the bigger budget cut worker CPU per turn
-#: 3-5% in paired `bench.run --phases throughput` runs (docs/capacity.md), and runs the older
-#: generations' collections, which follow every 10th younger one, as much less often.
+#: Allocations (less deallocations) between two young-generation collections: 10x CPython's 700.
+#: The bigger budget cut worker CPU per turn 3-5% in paired `bench.run --phases throughput` runs
+#: (docs/capacity.md), and runs the older generations' collections, which follow every 10th younger
+#: one, as much less often.
 GEN0_THRESHOLD = 7_000
 
 
