@@ -191,14 +191,16 @@ class WorkerPool:
     def dump_stacks(self, p: subprocess.Popen[bytes]) -> None:
         """Have a process that would not stop write its threads' stacks to the log (SIGUSR1), so that
         the test that finds it killed can say where it hung."""
-        before = self.log_path.stat().st_size
-        p.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and p.poll() is None:
-            if b"Current thread" in self.log_path.read_bytes()[before:]:
-                time.sleep(0.2)  # the handler writes the whole dump at once: a moment for its last lines
-                return
-            time.sleep(0.05)
+        with open(self.log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)  # read what the process writes from now on, not the whole log again
+            p.send_signal(signal.SIGUSR1)
+            deadline, written = time.monotonic() + 5, b""
+            while time.monotonic() < deadline and p.poll() is None:
+                written += log.read()
+                if b"Current thread" in written:
+                    time.sleep(0.2)  # the handler writes the whole dump at once: a moment for its last lines
+                    return
+                time.sleep(0.05)
 
     def discard(self) -> None:
         """Kill the processes at once: for fixtures whose key prefix is dropped right after (a graceful
