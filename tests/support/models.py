@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -203,3 +204,18 @@ def says(options: dict[str, Any]) -> FunctionModel:
             yield text[i : i + size]
 
     return FunctionModel(stream_function=stream, model_name="test:says")
+
+
+def keeps_the_process(options: dict[str, Any]) -> FunctionModel:
+    """Answers, and leaves behind a thread that is not a daemon and never ends: the process that ran
+    it cannot exit (interpreter shutdown waits for that thread), as a worker wedged in its stop
+    would be. Tests of the supervisor's kill after the grace use it."""
+
+    def wait_forever() -> None:
+        threading.Event().wait()
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str]:
+        threading.Thread(target=wait_forever, name="keeps-the-process", daemon=False).start()
+        yield "answered"
+
+    return FunctionModel(stream_function=stream, model_name="test:keeps-the-process")

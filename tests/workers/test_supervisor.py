@@ -18,12 +18,13 @@ import pytest
 
 from tests.conftest import ROOT, WorkerPool, turn
 from tests.support.restartable import Restartable
+from tests.support.turns import python_model
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
 from threadline.pipeline.config import AgentConfig
 from threadline.workers.clients.client import Client
 from threadline.workers.storage.connect import sync_client
-from threadline.workers.worker.process import GEN0_THRESHOLD, Supervisor, restart_delay_s
+from threadline.workers.worker.process import GEN0_THRESHOLD, KILL_MARGIN_S, Supervisor, restart_delay_s
 from threadline.workers.worker.reachability import Reachability
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -119,3 +120,40 @@ def test_a_worker_without_redis_logs_one_error_then_works_once_redis_is_there(tm
         server.stop()
     # the one line names the server without its password
     assert "hunter2" not in Reachability("redis://:hunter2@db.internal:6379/0").url
+
+
+def test_a_worker_process_still_running_after_its_grace_writes_its_stacks_and_is_killed(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A child that cannot exit (a thread of its model holds it) is killed after its grace and its
+    margin; before the kill it has written every thread's stack, so its log says where it hung."""
+    prefix = f"tlk{uuid.uuid4().hex[:6]}"
+    log_path = tmp_path / "supervisor.log"
+    supervisor = Supervisor(redis_url, processes=1, threads=2, log_path=log_path,
+                            env={"TL_PREFIX": prefix, "TL_ALLOW_PYTHON_PLUGINS": "1", "TL_SHUTDOWN_GRACE_S": "1",
+                                 "TL_LOG_LEVEL": "INFO", "TL_LOG_FORMAT": "json", "TL_METRICS_PORT": "0",
+                                 "PYTHONPATH": str(ROOT)})
+    client = Client(redis_url, prefix=prefix)
+    try:
+        supervisor.start()
+        WorkerPool(redis_url, prefix, ROOT).wait_ready(1)
+        client.put_agent(AgentConfig.model_validate(
+            {"id": "stuck", "model": python_model("keeps_the_process")}))
+        assert client.wait(client.submit(turn("stuck", "hello")), timeout_s=60).type == "succeeded"
+        started = time.monotonic()
+        supervisor.stop()
+        took_s = time.monotonic() - started
+    finally:
+        client.close()
+        r = sync_client(redis_url)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
+    (child,) = supervisor.children
+    assert child.returncode == -signal.SIGKILL
+    # the product's own timers: grace, margin, the moment for the stacks
+    assert supervisor.grace_s + KILL_MARGIN_S <= took_s, took_s
+    text = log_path.read_text()
+    assert '"worker_stopped"' in text  # its own stop ended; the process could not exit after it
+    dump = text[text.index('"worker_stopped"'):]
+    assert "Current thread" in dump or "Thread 0x" in dump, text[-2000:]
+    assert "wait_forever" in dump and "models.py" in dump, dump

@@ -4,12 +4,14 @@ supervisor behind `threadline worker` that keeps N such processes alive.
 Unlike the dramatiq CLI, whose parent exits when one child dies, the supervisor restarts a child
 that dies (after 0.5 s, doubling up to 30 s while it keeps crashing) and stops them all on
 SIGTERM/SIGINT: each child hands its turns back (`middleware/liveness.py`) within
-`TL_SHUTDOWN_GRACE_S`, and the supervisor kills whatever is left a second after that.
+`TL_SHUTDOWN_GRACE_S`, and the supervisor kills whatever is left a second after that, once it has
+written its threads' stacks to its stderr (SIGUSR1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import gc
 import json
@@ -176,6 +178,9 @@ RESTART_MAX_S = 30.0
 STABLE_S = 30.0
 #: The supervisor kills a worker process still running this long after its grace.
 KILL_MARGIN_S = 1.0
+#: How long the supervisor gives such a process to write its threads' stacks (SIGUSR1) before the kill:
+#: the dump is written by the signal handler itself (faulthandler), as soon as the signal arrives.
+STACKS_S = 0.5
 
 
 def restart_delay_s(crashes: int) -> float:
@@ -270,7 +275,8 @@ class Supervisor:
             self.children[i] = self._spawn()
 
     def stop(self, grace_s: float | None = None) -> None:
-        """SIGTERM every child, wait for them up to their grace (and a margin), kill the rest."""
+        """SIGTERM every child, wait for them up to their grace (and a margin), and kill the rest,
+        each after it wrote its threads' stacks (SIGUSR1)."""
         self._stopping = True
         started = time.monotonic()
         for child in self.children:
@@ -281,7 +287,12 @@ class Supervisor:
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("worker_killed", pid=child.pid, reason="still running after its grace")
+                # first every thread's stack to the child's stderr (`serve`), to say where it hung
+                child.send_signal(signal.SIGUSR1)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=STACKS_S)
+                log.warning("worker_killed", pid=child.pid, reason="still running after its grace",
+                            stacks="written to its stderr")
                 child.kill()
                 child.wait()
         log.info("workers_stopped", codes=[c.returncode for c in self.children],
