@@ -36,7 +36,7 @@ from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import queues as all_queues
 from threadline.workers.settings import Settings
 from threadline.workers.telemetry import metrics
-from threadline.workers.worker.process import KILL_MARGIN_S
+from threadline.workers.worker.process import KILL_MARGIN_S, STACKS_S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -46,8 +46,9 @@ SECRET_NAME = re.compile(r"_KEY$|SECRET|PASSWORD|TOKEN|_AUTH$|^REDIS_URL$")
 #: Variables of the deploy files themselves, not of Threadline: compose's and Redis's.
 DEPLOY_ONLY = {"REDIS_PASSWORD", "REDISCLI_AUTH"}
 #: A worker container's stop takes the children's grace (TL_SHUTDOWN_GRACE_S, default 5 s) and the
-#: supervisor's kill margin, then the interpreter's exit: every stop timeout gives it twice that.
-MIN_GRACE_S = 2 * (Settings.from_env({}).shutdown_grace_s + KILL_MARGIN_S)
+#: supervisor's kill margin and the moment it gives a stuck child to write its stacks, then the
+#: interpreter's exit: every stop timeout gives it twice that.
+MIN_GRACE_S = 2 * (Settings.from_env({}).shutdown_grace_s + KILL_MARGIN_S + STACKS_S)
 #: The gateway's port in every file (`threadline gateway --port`).
 GATEWAY_PORT = 8080
 
@@ -635,8 +636,8 @@ def test_healthcheck_follows_the_supervisor_and_redis(supervisor: subprocess.Pop
 
     # SIGTERM, as `docker stop` and the kubelet send it: the supervisor exits within the grace period.
     # Elapsed time is the right clock here (it is what they time before their SIGKILL); the margin is
-    # the design's: the supervisor's own timers end it within TL_SHUTDOWN_GRACE_S + KILL_MARGIN_S,
-    # and every stop timeout is at least twice that (MIN_GRACE_S, checked above)
+    # the design's: the supervisor's own timers end it within TL_SHUTDOWN_GRACE_S + KILL_MARGIN_S
+    # + STACKS_S, and every stop timeout is at least twice that (MIN_GRACE_S, checked above)
     grace_s = min(seconds(s["stop_grace_period"]) for s in worker_services().values())
     assert grace_s >= MIN_GRACE_S
     supervisor.send_signal(signal.SIGTERM)

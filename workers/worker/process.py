@@ -284,13 +284,18 @@ class Supervisor:
                 child.send_signal(signal.SIGTERM)
         deadline = started + (self.grace_s + KILL_MARGIN_S if grace_s is None else grace_s)
         for child in self.children:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                # first every thread's stack to the child's stderr (`serve`), to say where it hung
-                child.send_signal(signal.SIGUSR1)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.wait(timeout=STACKS_S)
+        stuck = [child for child in self.children if child.poll() is None]
+        # first every thread's stack to their stderr (`serve`), to say where they hung: all at once,
+        # so that the stop takes STACKS_S longer however many are stuck
+        for child in stuck:
+            child.send_signal(signal.SIGUSR1)
+        asked = time.monotonic()
+        for child in stuck:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=max(0.0, asked + STACKS_S - time.monotonic()))
+            if child.poll() is None:
                 log.warning("worker_killed", pid=child.pid, reason="still running after its grace",
                             stacks="written to its stderr")
                 child.kill()
