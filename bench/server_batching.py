@@ -84,7 +84,7 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     base = rows[("one server", 16)]
     print(f"\nredis-benchmark SET + HSET, {args.requests} requests each, {args.rounds} rounds\n")
-    print("| server | clients in flight | server CPU per command (µs), per round | × one server at 16 |")
+    print("| server | clients in flight | server CPU per command (µs), per round | x one server at 16 |")
     print("|---|---|---|---|")
     for (name, clients), values in rows.items():
         ratios = ", ".join(f"{v / b:.2f}" for v, b in zip(values, base, strict=True))
