@@ -144,6 +144,8 @@ def test_a_worker_process_still_running_after_its_grace_writes_its_stacks_and_is
         supervisor.stop()
         took_s = time.monotonic() - started
     finally:
+        if any(c.poll() is None for c in supervisor.children):  # the test failed before its stop
+            supervisor.stop()
         client.close()
         r = sync_client(redis_url)
         for key in r.scan_iter(f"{prefix}:*"):
