@@ -245,6 +245,26 @@ async def test_begin_goes_with_the_artifacts_and_announces_the_start(store: Stor
     assert (await store.turn_state(t.id)).stage == THIRD
 
 
+async def test_a_stage_starting_soon_after_the_last_scoring_leaves_the_running_score(store: Store) -> None:
+    """The stages of a turn that moves on start within `rescore_s` of its admission: they leave its
+    running score (one ZADD each fewer); a start later than that scores the turn again, and so does
+    the next one after it, counted from that scoring (not from the admission)."""
+    t, k, step = await make_turn(store), store.keys, store.rescore_s
+    assert 0 < step <= min(store.settings.worker_timeout_s, store.settings.stall_s) / 4
+    admitted = await store.admit(t.id, t.cid, now=100.0, request=t.request, holder="w1")
+    t.fence = admitted.detail
+    assert await t.advance(FIRST, accept=True) == "ok"
+    assert (await t.begin(SECOND, now=100.0 + step / 2)).status == "go"
+    assert await store.redis.zscore(k.running(), t.id) == 100.0  # left as the admission scored it
+    assert await t.advance(SECOND) == "ok"
+    later = 100.0 + step * 1.5
+    assert (await t.begin(THIRD, now=later)).status == "go"
+    assert await store.redis.zscore(k.running(), t.id) == later
+    assert await t.advance(THIRD) == "ok"
+    assert (await t.begin(MODEL, claim="w1", now=later + step * 0.75)).status == "go"  # 2.25 steps after admission
+    assert await store.redis.zscore(k.running(), t.id) == later
+
+
 async def test_begin_of_a_stage_already_done_is_done(store: Store) -> None:
     t = await make_turn(store)
     await t.run_to(THIRD)

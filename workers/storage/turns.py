@@ -36,6 +36,11 @@ BeginStatus = Literal["go", "unknown", "done", "terminal", "cancelled", "timed_o
 #: Rounds of reading the turns an interrupting turn cancels while turns keep arriving meanwhile.
 BUSY_ATTEMPTS = 8
 
+#: A stage starting less than this long after the turn was last scored in the running index leaves
+#: the score as it is (begin.lua): the stages of a turn that moves on start within it, one `ZADD`
+#: each fewer; the watchdog's next look comes at most this much earlier.
+RESCORE_S = 1.0
+
 #: "busy": refused by `on_busy: reject`; "changed": the victims named are not the turns in the way.
 Admission = Literal["admitted", "waiting", "terminal", "done", "cancelled", "refused", "busy", "changed"]
 
@@ -152,6 +157,12 @@ class Finish:
 
 
 class TurnStore(StoreBase):
+    @property
+    def rescore_s(self) -> float:
+        """How soon after the last scoring a stage's start leaves the turn's running score as it is
+        (begin.lua): `RESCORE_S`, and well under the shortest time the watchdog waits to look."""
+        return min(RESCORE_S, self.settings.worker_timeout_s / 4, self.settings.stall_s / 4)
+
     def _message(self, next_: Next, now_ms: int) -> tuple[str, str, bytes]:
         queue = self.graph[next_.stage].queue
         return build_message(queue, next_.stage, (next_.arg,), message_id=next_.message_id, now_ms=now_ms,
@@ -224,7 +235,7 @@ class TurnStore(StoreBase):
             [k.turn(turn_id), k.events(turn_id), k.artifact(turn_id, self.graph.first.name),
              k.artifact(turn_id, previous), k.model_claim(turn_id), k.running()],
             lua.payload(stage=stage, turn_id=turn_id, now=now, interrupts=interrupts, claim=claim, holder=holder,
-                            claim_ttl_ms=int(self.settings.invoke_lease_s * 1000),
+                            claim_ttl_ms=int(self.settings.invoke_lease_s * 1000), rescore_s=self.rescore_s,
                             started=events.encode(started, numbered_by_store=True) if started else "",
                             redelivered=events.encode(redelivered, numbered_by_store=True)),
         )

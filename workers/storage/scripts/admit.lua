@@ -9,8 +9,8 @@
 -- the turns in its way and takes the place before every waiting turn.
 -- A turn admitted here also begins its admit stage, as begin.lua would (its checks are the ones
 -- above: nothing else can stop a stage that is not done yet): the stage, its holder and its
--- progress go in the turn's record and its running score is now; the stage's `started` event comes
--- with its hand-over, after `accepted`.
+-- progress go in the turn's record and its running score is now (with `scored_at`: see begin.lua);
+-- the stage's `started` event comes with its hand-over, after `accepted`.
 -- KEYS[1] turn   KEYS[2] running turns   KEYS[3] conversation's line   KEYS[4] conversation's lease
 -- KEYS[5] conversation's waiting requests   KEYS[6] admit queue's messages   KEYS[7] admit queue
 -- KEYS[8] activity index   KEYS[9] conversation   KEYS[10] its messages
@@ -51,7 +51,7 @@ redis.call('PERSIST', turn)  -- a live turn's record never expires; finish.lua s
 if a.activity then redis.call('ZADD', KEYS[8], a.now, a.conversation_id) end
 local lease = redis.call('HMGET', KEYS[4], 'turn', 'fence')
 local holder = lease[1]
-local begun = {'stage', a.stage, 'progress_at', a.now, 'holder', a.holder}
+local begun = {'stage', a.stage, 'progress_at', a.now, 'holder', a.holder, 'scored_at', a.now}
 local fence
 if holder == a.turn_id then
   -- admitted before (a redelivery, or the turn before it woke it): its record has its conversation
