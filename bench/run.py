@@ -418,6 +418,9 @@ def throughput_rows(opts: Options, r: Results) -> list[tuple[str, str, str, str,
             _row("  that burst: server commands per turn (incl. inside Lua; harness XREADs excluded)",
                  cost.commands_per_turn, bare_cost.commands_per_turn),
             _row("  that burst: EVALSHA per turn", cost.scripts_per_turn, bare_cost.scripts_per_turn),
+            _row("  that burst: server read events per turn (requests; the harness's included)",
+                 cost.reads_per_turn, bare_cost.reads_per_turn),
+            _row("  that burst: the harness's XREADs per turn", cost.waits_per_turn, bare_cost.waits_per_turn),
         ]
         sat, bare_sat = r.tl_saturated[count], r.bare_saturated[count]
         bad = f"; {sat.not_succeeded} not succeeded" if sat.not_succeeded else ""

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import redis
 
@@ -125,6 +126,10 @@ class Cost:
     worker_cpu_s: float
     server_cpu_s: float
     commands: dict[str, int]
+    #: The server's read events (`total_reads_processed`): its requests, a pipeline as one as a rule.
+    reads: int = 0
+    #: The harness's XREADs among them.
+    waits: int = 0
 
     @property
     def worker_ms(self) -> float:
@@ -141,6 +146,14 @@ class Cost:
     @property
     def scripts_per_turn(self) -> float:
         return sum(v for k, v in self.commands.items() if k in SCRIPT_COMMANDS) / self.turns
+
+    @property
+    def reads_per_turn(self) -> float:
+        return self.reads / self.turns
+
+    @property
+    def waits_per_turn(self) -> float:
+        return self.waits / self.turns
 
     def breakdown(self, top: int = 8) -> str:
         ordered = sorted(self.commands.items(), key=lambda kv: -kv[1])[:top]
@@ -168,5 +181,6 @@ class CostMeter:
         worker = process_cpu_s(self.pids) - self._worker0
         server = server_cpu_s(self.client) - self._server0
         counts = command_counts(self.client)
+        reads = int(cast(dict[str, Any], self.client.info("stats"))["total_reads_processed"])
         commands = {k: v for k, v in counts.items() if v and k not in HARNESS_COMMANDS | WAIT_COMMANDS}
-        return Cost(turns, worker, server, commands)
+        return Cost(turns, worker, server, commands, reads, sum(counts.get(k, 0) for k in WAIT_COMMANDS))
