@@ -35,12 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, cast, get_args
+from typing import Any, get_args
 
 import redis
 
 from threadline.pipeline.contracts import new_conversation_id
-from threadline.pipeline.events import TERMINAL_TYPES
 from threadline.pipeline.stages import DEFAULT_GRAPH
 
 try:
@@ -49,8 +48,8 @@ except ImportError:  # the layout before issue #19 (eb2b1e3): profiling an older
     from threadline.workers import lua  # type: ignore[no-redef,attr-defined]
 
 from .procs import Processes, Server, bench_session, progress
-from .stats import HARNESS_COMMANDS, WAIT_COMMANDS, process_cpu_s, server_cpu_s
-from .systems import ThreadlineSystem
+from .stats import HARNESS_COMMANDS, WAIT_COMMANDS, process_cpu_s, server_cpu_s, server_reads
+from .systems import ThreadlineSystem, ended
 
 _TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _LINE = re.compile(r"^\d+\.\d+ \[\d+ ([^\]]+)\] (.*)$")
@@ -289,29 +288,16 @@ def closed_loop(tl: ThreadlineSystem, agent: str, turns: int, inflight: int, tim
     while following:
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{len(following)} turns did not end")
-        reply = cast(list[Any], tl.client.redis.xread(dict[Any, Any](following), block=100, count=100))
-        for raw_key, entries in reply or []:
-            key = raw_key.decode()
-            for entry_id, fields in entries:
-                following[key] = entry_id.decode()
-                kind = re.search(rb'"type":"([a-z_]+)"', fields[b"json"])
-                if kind is None or kind.group(1).decode() not in TERMINAL_TYPES:
-                    continue
-                del following[key]
-                statuses[kind.group(1).decode()] += 1
-                conversation, had = threads.pop(key)
-                if submitted < turns:
-                    if had < per_conversation:
-                        submit(conversation, had)
-                    else:
-                        submit()
-                break
+        reply = tl.client.redis.xread(dict[Any, Any](following), block=100, count=100)
+        for key, _, event in ended(following, reply):
+            statuses[event["type"]] += 1
+            conversation, had = threads.pop(key)
+            if submitted < turns:
+                if had < per_conversation:
+                    submit(conversation, had)
+                else:
+                    submit()
     return dict(statuses)
-
-
-def _reads(client: redis.Redis) -> int:
-    """The server's read events so far (`total_reads_processed`): its round trips, near enough."""
-    return int(cast(dict[str, Any], client.info("stats"))["total_reads_processed"])
 
 
 def render_tally(title: str, tally: Tally, per: float, unit: str, usec: Counter[str] | None = None) -> list[str]:
@@ -393,11 +379,11 @@ def run(a: argparse.Namespace, env: dict[str, str], command: str, workdir: Path)
         client.config_set("slowlog-log-slower-than", 0)
         client.slowlog_reset()
         cpu0, srv0, t0 = process_cpu_s([worker.proc.pid]), server_cpu_s(client), time.monotonic()
-        reads0 = _reads(client)
+        reads0 = server_reads(client)
         timed = closed_loop(tl, agent, a.turns, a.inflight, per_conversation=a.conversation_turns)
         wall = time.monotonic() - t0
         cpu, srv = process_cpu_s([worker.proc.pid]) - cpu0, server_cpu_s(client) - srv0
-        reads = _reads(client) - reads0
+        reads = server_reads(client) - reads0
         client.config_set("slowlog-log-slower-than", -1)
         usec = slowlog_usec(client, shas, queues)
         busy = parse_monitor(workdir / "busy.monitor", shas, queues)

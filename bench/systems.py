@@ -51,6 +51,23 @@ def xread(client: redis.Redis, key: str, after: str, deadline: float, count: int
     return [(entry_id.decode(), fields) for entry_id, fields in reply[0][1]]
 
 
+def ended(following: dict[str, str], reply: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """The terminal events (events key, entry id, event) in an XREAD `reply` of the streams in `following`
+    (events key → last entry id read): each key's position moves past what was read, and a turn
+    that ended is no longer followed."""
+    found = []
+    for raw_key, entries in cast(list[Any], reply) or []:
+        key = raw_key.decode()
+        for raw_id, fields in entries:
+            entry_id = following[key] = raw_id.decode()
+            event = json.loads(fields[b"json"])
+            if event["type"] in TERMINAL_TYPES:
+                found.append((key, entry_id, event))
+                del following[key]
+                break
+    return found
+
+
 def entry_ms(entry_id: str) -> int:
     return int(entry_id.split("-", 1)[0])
 
@@ -267,16 +284,8 @@ class ThreadlineSystem:
                 raise TimeoutError(f"{len(following)} turns did not end in time")
             time.sleep(POLL_S)
             block_ms = max(1, int(min(remaining, 1.0) * 1000))
-            reply = cast(list[Any], self.client.redis.xread(dict[Any, Any](following), block=block_ms, count=100))
-            for raw_key, entries in reply or []:
-                key = raw_key.decode()
-                for raw_id, fields in entries:
-                    entry_id = following[key] = raw_id.decode()
-                    event = json.loads(fields[b"json"])
-                    if event["type"] in TERMINAL_TYPES:
-                        found.append((entry_ms(entry_id), event))
-                        del following[key]
-                        break
+            reply = self.client.redis.xread(dict[Any, Any](following), block=block_ms, count=100)
+            found += [(entry_ms(entry_id), event) for _, entry_id, event in ended(following, reply)]
         return found
 
 
@@ -297,22 +306,14 @@ class ThreadlineSystem:
             submit()
         completed, statuses = 0, dict[str, int]()
         while following and time.perf_counter() < end + drain_s:
-            reply = cast(list[Any], self.client.redis.xread(dict[Any, Any](following), block=100, count=100))
+            reply = self.client.redis.xread(dict[Any, Any](following), block=100, count=100)
             now = time.perf_counter()
-            for raw_key, entries in reply or []:
-                key = raw_key.decode()
-                for entry_id, fields in entries:
-                    following[key] = entry_id.decode()
-                    kind = json.loads(fields[b"json"])["type"]
-                    if kind not in TERMINAL_TYPES:
-                        continue
-                    del following[key]
-                    if start <= now <= end:
-                        completed += 1
-                        statuses[kind] = statuses.get(kind, 0) + 1
-                    if now < end:
-                        submit()
-                    break
+            for _, _, event in ended(following, reply):
+                if start <= now <= end:
+                    completed += 1
+                    statuses[event["type"]] = statuses.get(event["type"], 0) + 1
+                if now < end:
+                    submit()
         if following:
             raise TimeoutError(f"{len(following)} turns did not finish after the saturation run")
         return Saturation(inflight, duration_s - warmup_s, completed, statuses)
