@@ -4,6 +4,7 @@ the floor under a turn's worker CPU that no change of Threadline's own can lower
     .venv/bin/python -m bench.agent_run              # ~10 s
     .venv/bin/python -m bench.agent_run --runs 2000
     .venv/bin/python -m bench.agent_run --spacing-s 0.3 --runs 100   # also runs 0.3 s apart, ~1 min
+    .venv/bin/python -m bench.agent_run --loops asyncio,uvloop       # on each event loop, ~1 min
 
 Two rows, each the median CPU time (`time.process_time`) of `--runs` runs after `--warmup`:
 
@@ -18,6 +19,10 @@ With `--spacing-s S` each row is also timed with S seconds of idleness before ev
 turns of `bench.run`'s idle-latency phase come: a run after a pause finds the CPU's caches cold and
 costs more than one right after another.
 
+With `--loops asyncio,uvloop` every row is timed on each kind of event loop a worker may run
+(`TL_EVENT_LOOP`), the kinds alternated over `--rounds` rounds (default 3), each figure the median
+of its rounds' medians.
+
 Compare them with `bench.run`'s worker CPU per turn, Threadline's and the bare dramatiq chain's
 (five no-op hops): the issue's target for the whole turn is at most 3x the bare chain's.
 """
@@ -29,7 +34,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 from pydantic_ai import Agent, CancellationToken
 from pydantic_ai.messages import ModelMessage
@@ -41,6 +46,7 @@ from threadline.pipeline.invoke import build_agent, run_turn
 from threadline.pipeline.records import ResolvedTurn
 from threadline.pipeline.resolve import resolve_turn
 from threadline.pipeline.streaming import RunEvents, TextDebouncer
+from threadline.workers.worker.loops import loop_factory
 from threadline.workers.worker.providers import offline_model
 from threadline.workers.worker.stream import TurnStream
 
@@ -110,16 +116,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=50, help="untimed runs first (default 50)")
     parser.add_argument("--spacing-s", type=float, default=0.0,
                         help="also time each row with this much idleness before every run (default: not)")
+    parser.add_argument("--loops", default="asyncio",
+                        help="comma-separated event loops to time each row on: asyncio, uvloop (default asyncio)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of every loop, alternated (default 1; 3 with several loops)")
     a = parser.parse_args(argv)
-    rows = asyncio.run(_measure(a.runs, a.warmup, a.spacing_s))
+    loops = [name.strip() for name in a.loops.split(",") if name.strip()]
+    unknown = set(loops) - {"asyncio", "uvloop"}
+    if unknown or not loops:
+        parser.error(f"--loops: asyncio and/or uvloop, not {a.loops!r}")
+    rounds = a.rounds or (3 if len(loops) > 1 else 1)
+    measured: dict[str, list[list[tuple[str, list[float]]]]] = {name: [] for name in loops}
+    for _ in range(rounds):
+        for name in loops:
+            with asyncio.Runner(loop_factory=loop_factory(cast(Literal["uvloop", "asyncio"], name))) as runner:
+                measured[name].append(runner.run(_measure(a.runs, a.warmup, a.spacing_s)))
     spaced = f" --spacing-s {a.spacing_s:g}" if a.spacing_s else ""
-    print(f"command: `python -m bench.agent_run --runs {a.runs} --warmup {a.warmup}{spaced}`\n")
+    looped = f" --loops {','.join(loops)} --rounds {rounds}" if loops != ["asyncio"] or rounds > 1 else ""
+    print(f"command: `python -m bench.agent_run --runs {a.runs} --warmup {a.warmup}{spaced}{looped}`\n")
     if a.spacing_s:
-        print(f"| run | CPU per run, median (ms): back to back | {a.spacing_s:g} s apart |\n|---|---|---|")
+        print(f"| run | loop | CPU per run, median (ms): back to back | {a.spacing_s:g} s apart |\n|---|---|---|---|")
     else:
-        print("| run | CPU per run, median (ms) |\n|---|---|")
-    for name, ms in rows:
-        print(f"| {name} | " + " | ".join(f"{m:.2f}" for m in ms) + " |")
+        print("| run | loop | CPU per run, median (ms) |\n|---|---|---|")
+    for row, (title, _) in enumerate(measured[loops[0]][0]):
+        for name in loops:
+            columns = zip(*(each[row][1] for each in measured[name]), strict=True)
+            print(f"| {title} | {name} | " + " | ".join(f"{statistics.median(ms):.2f}" for ms in columns) + " |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -78,6 +79,7 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("TL_THREADS", "threads per worker process (default 8)"),
     ("TL_MODEL_CALLS", "model calls one process runs at once (default: 500, fewer when memory is short)"),
     ("TL_INVOKE_PREFETCH", "the older name of TL_MODEL_CALLS (read when that is not set)"),
+    ("TL_EVENT_LOOP", "auto (default: uvloop where installed), uvloop or asyncio: the workers' and gateway's loops"),
     ("TL_MAX_QUERY_CHARS", "longest query (default 32000)"),
     ("TL_MAX_CONTEXT_CHARS", "longest context, and longest answers to a paused turn's tool calls (default 200000)"),
     ("TL_MAX_INPUTS_CHARS", "the most characters of prompt variables, names and values (default 32000)"),
@@ -203,6 +205,10 @@ class Settings:
     metrics_port: int = DEFAULT_METRICS_PORT
     #: OpenTelemetry spans per turn and stage, exported over OTLP (`workers/telemetry/tracing.py`).
     tracing: bool = False
+    #: The event loops of a worker process and of the gateway (`loop()`): `uvloop` (libuv's loop: less
+    #: CPU per Redis round trip and per model run, docs/capacity.md), `asyncio` (the standard one), or
+    #: `auto`: uvloop where it is installed (a dependency, but for Windows).
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     #: A gateway process's Redis connections for requests (a blocking pool: a request waits up to
     #: `gateway_pool_timeout_s` for one); `/healthz` has two of its own, every event stream shares one.
     gateway_pool: int = 32
@@ -214,6 +220,17 @@ class Settings:
     key_max_streams: int = 100
     #: Failed authentications one client address may make per minute; then 429 until it refills.
     auth_failures_per_min: int = 20
+
+    def loop(self) -> Literal["uvloop", "asyncio"]:
+        """The event loop `event_loop` names, `auto` resolved; a ValueError when uvloop is asked for
+        and not installed."""
+        if self.event_loop == "asyncio":
+            return "asyncio"
+        if importlib.util.find_spec("uvloop") is not None:
+            return "uvloop"
+        if self.event_loop == "uvloop":
+            raise ValueError("TL_EVENT_LOOP is uvloop, but uvloop is not installed: pip install uvloop")
+        return "asyncio"
 
     @property
     def broker_namespace(self) -> str:
@@ -236,6 +253,9 @@ class Settings:
         log_format = env.get("TL_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
         if log_format not in ("json", "console"):
             raise ValueError(f"TL_LOG_FORMAT must be json or console, not {log_format!r}")
+        event_loop = env.get("TL_EVENT_LOOP") or "auto"
+        if event_loop not in ("auto", "uvloop", "asyncio"):
+            raise ValueError(f"TL_EVENT_LOOP must be auto, uvloop or asyncio, not {event_loop!r}")
         log_level = (env.get("TL_LOG_LEVEL") or "INFO").upper()
         if log_level not in LOG_LEVELS:
             raise ValueError(f"TL_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not {env.get('TL_LOG_LEVEL')!r}")
@@ -283,6 +303,7 @@ class Settings:
             policy=model_policy(env),
             metrics_port=_int(env, "TL_METRICS_PORT", DEFAULT_METRICS_PORT, maximum=65_535),
             tracing=env.get("TL_TRACING", "") in ("1", "true", "yes") or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
+            event_loop=event_loop,  # type: ignore[arg-type]
             gateway_pool=_int(env, "TL_GATEWAY_POOL", 32, minimum=1),
             gateway_pool_timeout_s=_float(env, "TL_GATEWAY_POOL_TIMEOUT_S", 5.0),
             key_rps=_int(env, "TL_KEY_RPS", 20),

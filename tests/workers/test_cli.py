@@ -108,7 +108,8 @@ def test_an_invalid_setting_is_one_line_naming_the_variable(run: Any, env: pytes
     env.setenv("TL_PROCESSES", "abc")
     bad = run("cancel", "some-turn")
     assert bad.code == 2 and "TL_PROCESSES" in bad.one_line() and "'abc'" in bad.one_line()
-    for name, value in (("TL_THREADS", "0"), ("TL_WATCHDOG_S", "-1"), ("TL_STALL_S", "nan"), ("TL_LOG_LEVEL", "LOUD")):
+    for name, value in (("TL_THREADS", "0"), ("TL_WATCHDOG_S", "-1"), ("TL_STALL_S", "nan"), ("TL_LOG_LEVEL", "LOUD"),
+                        ("TL_EVENT_LOOP", "trio")):
         with pytest.raises(ValueError, match=name):
             Settings.from_env({name: value})
     assert Settings.from_env({"TL_PROCESSES": "3", "TL_INVOKE_PREFETCH": "0"}).processes == 3

@@ -3,14 +3,17 @@ process holds hundreds of streaming calls at once with a handful of threads, and
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import uvloop
+from dramatiq.asyncio import get_event_loop_thread
 
-from tests.conftest import WorkerPool, turn
+from tests.conftest import InProcessWorker, WorkerPool, turn
 from tests.support.turns import assert_one_terminal, records
 from tests.support.wait import wait_until
 from threadline.pipeline import events as ev
@@ -86,3 +89,17 @@ def test_the_setting_and_its_older_name() -> None:
     assert Settings.from_env({"TL_INVOKE_PREFETCH": "12"}).model_calls == 12
     assert Settings.from_env({"TL_MODEL_CALLS": "64", "TL_INVOKE_PREFETCH": "12"}).model_calls == 64
     assert Settings.from_env({}).model_calls is None  # the worker sizes it (`default_model_calls`)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("setting", "kind"), [("auto", uvloop.Loop), ("asyncio", asyncio.BaseEventLoop)])
+def test_the_stages_and_the_model_calls_run_on_the_loop_the_setting_names(
+        inprocess: Callable[..., InProcessWorker], setting: str, kind: type) -> None:
+    worker = inprocess(env={"TL_EVENT_LOOP": setting})
+    client = worker.client
+    client.put_agent(AgentConfig.model_validate({"id": "echo", "model": "offline:echo"}))
+    terminal = client.wait(client.submit(turn("echo", "which loop?")), timeout_s=30)
+    assert isinstance(terminal, ev.Succeeded), terminal
+    stages, calls = get_event_loop_thread().loop, worker.broker.calls.loop  # type: ignore[union-attr]
+    assert isinstance(stages, kind) and isinstance(calls, kind), (stages, calls)
+    assert stages is not calls and stages.is_running() and calls.is_running()

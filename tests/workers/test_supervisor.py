@@ -104,6 +104,7 @@ def test_a_worker_without_redis_logs_one_error_then_works_once_redis_is_there(tm
         started = next(e for e in said if e["event"] == "worker_started")
         assert started["gc_enabled"] is True and started["heap_frozen"] > 100_000, started
         assert started["gc_threshold"] == GEN0_THRESHOLD, started
+        assert started["event_loop"] == "uvloop", started  # TL_EVENT_LOOP's default where uvloop is installed
         assert not [e for e in said if e["level"] == "critical"], lines
 
         server.start()

@@ -48,7 +48,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     # (a worker's `settle_heap`; docs/capacity.md)
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=settings.loop())
     return 0
 
 

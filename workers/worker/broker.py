@@ -50,6 +50,7 @@ from threadline.workers.storage.turns import Settle
 from threadline.workers.telemetry import metrics
 from threadline.workers.worker.calls import ModelCalls, default_model_calls
 from threadline.workers.worker.listener import Listener
+from threadline.workers.worker.loops import loop_factory
 from threadline.workers.worker.reachability import Reachability
 
 log = structlog.get_logger(__name__)
@@ -120,7 +121,8 @@ class DoorbellBroker(RedisBroker):
         #: rings, and its poll (`delay_poll_ms`, as a delay queue's) only covers a ring lost with a
         #: connection. None: every queue but the delay queues is such a queue.
         self.entry_queues = entry_queues
-        self.calls = ModelCalls(settings.model_calls or default_model_calls(), self)
+        self.calls = ModelCalls(settings.model_calls or default_model_calls(), self,
+                                new_loop=loop_factory(settings.loop()))
         self.keys = Keys(settings.prefix, settings.shards)
         #: The shards every queue has: each consumer fetches from all of them.
         self.shards: tuple[Shard, ...] = tuple(range(settings.shards)) or (None,)

@@ -35,6 +35,8 @@ import structlog
 from dramatiq.common import compute_backoff
 from dramatiq.middleware import Retries
 
+from threadline.workers.worker.loops import LoopFactory
+
 log = structlog.get_logger(__name__)
 
 #: What one open model call costs a worker process: `bench.model_bound` measured 19.5 MiB of
@@ -84,9 +86,11 @@ class _Call:
 class ModelCalls:
     """The calls running detached, by delivery (`delivery`), and the acks that wait for them."""
 
-    def __init__(self, limit: int, broker: dramatiq.Broker | None = None) -> None:
+    def __init__(self, limit: int, broker: dramatiq.Broker | None = None,
+                 new_loop: LoopFactory = asyncio.new_event_loop) -> None:
         self.limit = limit
         self.broker = broker
+        self._new_loop = new_loop
         self._calls: dict[str, _Call] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -114,7 +118,7 @@ class ModelCalls:
         """The calls' event loop, started on first use (a thread of its own)."""
         with self._lock:
             if self._loop is None:
-                self._loop = asyncio.new_event_loop()
+                self._loop = self._new_loop()
                 self._thread = threading.Thread(target=self._loop.run_forever, name="threadline-model-calls",
                                                 daemon=True)
                 self._thread.start()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 import dramatiq
 import redis
 import structlog
-from dramatiq.middleware import AgeLimit, AsyncIO, CurrentMessage, Retries
+from dramatiq.middleware import AgeLimit, CurrentMessage, Retries
 
 from threadline.pipeline.stages import DEFAULT_GRAPH, StageGraph
 from threadline.workers.protocol.keys import Keys, layout_record, layout_shards
@@ -40,7 +40,8 @@ from threadline.workers.telemetry import tracing
 from threadline.workers.telemetry.logs import configure_logging
 from threadline.workers.worker.actors import declare_actors
 from threadline.workers.worker.broker import DoorbellBroker
-from threadline.workers.worker.middleware import Boot, GiveUp, Liveness, LogContext, Metrics, Tracing
+from threadline.workers.worker.loops import loop_factory
+from threadline.workers.worker.middleware import Boot, EventLoop, GiveUp, Liveness, LogContext, Metrics, Tracing
 from threadline.workers.worker.runtime import RuntimeRef
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def create_broker(settings: Settings, url: str, *, graph: StageGraph = DEFAULT_G
         GiveUp(ref, admit_actor=graph.first.name),  # before Retries: its after-hook must run after Retries'
         Retries(max_retries=settings.max_retries, min_backoff=200, max_backoff=10_000),
         CurrentMessage(),
-        AsyncIO(),
+        EventLoop(loop_factory(settings.loop())),  # dramatiq's AsyncIO, on the loop the settings name
         Metrics(),
         Tracing(admit_actor=graph.first.name),
         Boot(settings, url, graph, ref),
@@ -161,8 +162,8 @@ def serve(settings: Settings, url: str, *, queues: Sequence[str] = (), threads: 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     broker, worker = start_worker(settings, url, queues=queues, threads=threads)
     log.info("worker_started", pid=os.getpid(), queues=sorted(queues or all_queues(DEFAULT_GRAPH)),
-             threads=worker.worker_threads, gc_enabled=gc.isenabled(), heap_frozen=gc.get_freeze_count(),
-             gc_threshold=gc.get_threshold()[0])
+             threads=worker.worker_threads, event_loop=settings.loop(), gc_enabled=gc.isenabled(),
+             heap_frozen=gc.get_freeze_count(), gc_threshold=gc.get_threshold()[0])
     stop.wait()
     started = time.monotonic()
     log.info("worker_stopping", pid=os.getpid(), grace_s=settings.shutdown_grace_s)
