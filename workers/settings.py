@@ -61,6 +61,10 @@ def model_policy(env: Mapping[str, str] | None = None) -> ModelPolicy:
                        base_url_allow=_names(env, "TL_BASE_URL_ALLOW") or ())
 
 
+def _uvloop_installed() -> bool:
+    return importlib.util.find_spec("uvloop") is not None
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Where `threadline worker` serves /metrics and its probes unless TL_METRICS_PORT says otherwise.
 DEFAULT_METRICS_PORT = 9464
@@ -222,15 +226,11 @@ class Settings:
     auth_failures_per_min: int = 20
 
     def loop(self) -> Literal["uvloop", "asyncio"]:
-        """The event loop `event_loop` names, `auto` resolved; a ValueError when uvloop is asked for
-        and not installed."""
-        if self.event_loop == "asyncio":
-            return "asyncio"
-        if importlib.util.find_spec("uvloop") is not None:
-            return "uvloop"
-        if self.event_loop == "uvloop":
-            raise ValueError("TL_EVENT_LOOP is uvloop, but uvloop is not installed: pip install uvloop")
-        return "asyncio"
+        """The event loop `event_loop` names, `auto` resolved (`from_env` refused `uvloop` where it
+        is not installed)."""
+        if self.event_loop == "auto":
+            return "uvloop" if _uvloop_installed() else "asyncio"
+        return self.event_loop
 
     @property
     def broker_namespace(self) -> str:
@@ -256,6 +256,8 @@ class Settings:
         event_loop = env.get("TL_EVENT_LOOP") or "auto"
         if event_loop not in ("auto", "uvloop", "asyncio"):
             raise ValueError(f"TL_EVENT_LOOP must be auto, uvloop or asyncio, not {event_loop!r}")
+        if event_loop == "uvloop" and not _uvloop_installed():
+            raise ValueError("TL_EVENT_LOOP is uvloop, but uvloop is not installed: pip install uvloop")
         log_level = (env.get("TL_LOG_LEVEL") or "INFO").upper()
         if log_level not in LOG_LEVELS:
             raise ValueError(f"TL_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not {env.get('TL_LOG_LEVEL')!r}")

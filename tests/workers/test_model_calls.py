@@ -4,6 +4,7 @@ process holds hundreds of streaming calls at once with a handful of threads, and
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 import uuid
 from collections.abc import Callable
@@ -103,3 +104,13 @@ def test_the_stages_and_the_model_calls_run_on_the_loop_the_setting_names(
     stages, calls = get_event_loop_thread().loop, worker.broker.calls.loop  # type: ignore[union-attr]
     assert isinstance(stages, kind) and isinstance(calls, kind), (stages, calls)
     assert stages is not calls and stages.is_running() and calls.is_running()
+
+
+def test_uvloop_where_it_is_not_installed_is_refused_and_auto_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else find_spec(name, *a))
+    with pytest.raises(ValueError, match="TL_EVENT_LOOP is uvloop, but uvloop is not installed"):
+        Settings.from_env({"TL_EVENT_LOOP": "uvloop"})
+    assert Settings.from_env({}).loop() == "asyncio"
+    monkeypatch.undo()
+    assert Settings.from_env({}).loop() == "uvloop"
