@@ -209,15 +209,22 @@ def test_timeout_while_following_is_one_line_and_exit_124(run: Any) -> None:
 
 def test_ctrl_c_while_following_leaves_the_turn_running_and_says_how_to_cancel_it(redis_url: str,
                                                                                    quiet: str) -> None:
+    # PYTHONFAULTHANDLER: a process still running 15 s after its Ctrl-C (once in CI, on a loaded
+    # machine; not seen here in hundreds of runs) is sent SIGABRT, and writes where it was to stderr
     proc = subprocess.Popen([*CLI, "submit", "--agent", "a", "--query", "hi", "--follow"],
-                            env=subprocess_env(redis_url, quiet), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            env=subprocess_env(redis_url, quiet, PYTHONFAULTHANDLER="1"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
         first = proc.stderr.readline()  # printed once the turn is enqueued, just before following
         turn_id = first.strip().removeprefix("turn ")
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=15)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=15)
+            pytest.fail(f"still running 15 s after its SIGINT (its first line: {first!r}); its stacks:\n{err}")
     finally:
         if proc.poll() is None:
             proc.kill()
