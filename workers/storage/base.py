@@ -16,7 +16,7 @@ from threadline.workers.protocol.keys import Keys
 from threadline.workers.protocol.names import SHARD_OPTION
 from threadline.workers.settings import Settings
 from threadline.workers.storage import lua
-from threadline.workers.storage.connect import async_client
+from threadline.workers.storage.connect import async_client, untimed_socket_options
 
 #: A worker process's connections to Redis for its stages, and how long a command waits for one.
 POOL_CONNECTIONS = 64
@@ -72,8 +72,10 @@ class StoreBase:
     @classmethod
     def connect(cls, url: str, settings: Settings, graph: StageGraph) -> Self:
         """A worker's store. Its pool blocks: a process holds hundreds of model calls on one event
-        loop, and a burst of their writes waits for a free connection instead of failing."""
-        return cls(async_client(url, max_connections=POOL_CONNECTIONS, timeout_s=POOL_TIMEOUT_S), settings, graph)
+        loop, and a burst of their writes waits for a free connection instead of failing. Its
+        commands carry no socket timeout (`untimed_socket_options`)."""
+        return cls(async_client(url, max_connections=POOL_CONNECTIONS, timeout_s=POOL_TIMEOUT_S,
+                                **untimed_socket_options(url)), settings, graph)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -39,6 +39,33 @@ CLUSTER_REINITIALIZE_STEPS = 0
 #: while a failed primary has no replica serving its slots yet, and TRYAGAIN while a slot moves.
 OUTAGE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError,
                                               redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
+#: The sockets of a worker's store (`StoreBase.connect`): no per-command timeout, the kernel finds a
+#: peer that is gone instead. redis-py 8's default 5 s socket timeout costs every command an asyncio
+#: task around its write and a timer around its read: 6-11% of the client's CPU per command
+#: (`bench.redis_client`, docs/capacity.md). Without it a reset or a refused connection still
+#: fails at once (a restart, a killed server); a peer gone without a reset fails a command once its
+#: writes go unacknowledged for `TCP_USER_TIMEOUT` or, with nothing unacknowledged, once keepalive
+#: probes go unanswered: within ~11 s either way, where the timeout took 5 s. A server that is stopped
+#: but whose host answers (SIGSTOP) keeps a command waiting until it resumes.
+DEAD_PEER_S = (5, 2, 3)  # keepalive: idle seconds before the first probe, seconds between, probes
+DEAD_PEER_WRITE_MS = 10_000
+
+
+def untimed_socket_options(url: str) -> dict[str, Any]:
+    """redis-py connection options for a client of `url` with no socket timeout, and on TCP with
+    `DEAD_PEER_S` and `DEAD_PEER_WRITE_MS` (the options a platform lacks are left out; a Unix
+    socket's peer is on this host, and its reset is never lost)."""
+    import socket
+
+    if urlsplit(url).scheme == "unix":
+        return {"socket_timeout": None}
+    idle, interval, probes = DEAD_PEER_S
+    wanted = {"TCP_KEEPIDLE": idle, "TCP_KEEPALIVE": idle, "TCP_KEEPINTVL": interval, "TCP_KEEPCNT": probes,
+              "TCP_USER_TIMEOUT": DEAD_PEER_WRITE_MS}
+    options = {getattr(socket, name): value for name, value in wanted.items() if hasattr(socket, name)}
+    return {"socket_timeout": None, "socket_keepalive": True, "socket_keepalive_options": options}
+
+
 #: The URL schemes of a Redis Cluster, and the plain scheme each stands for.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
