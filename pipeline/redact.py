@@ -22,7 +22,8 @@ _SECRET_NAME = re.compile(rf"(?i)[A-Za-z0-9_.-]*?(?:{_NAME_KEYWORDS})")
 # A quoted value runs to its closing quote; an unquoted one to the next delimiter.
 _FIELD = re.compile(
     rf"""(?ix)
-    (?=[acpst])(?:{_NAME_KEYWORDS})               # the end of the name; what precedes it is kept
+    (?=[acpst])(?<!tik)(?:{_NAME_KEYWORDS})       # the end of the name; what precedes it is kept
+                                               # (a tokenizer named `tiktoken:o200k_base` is no field)
     \\?["']?                                   # the name's closing quote
     \s*(?:=>|[:=])\s*
     (?P<open>\\?["'])?

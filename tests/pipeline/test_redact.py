@@ -113,6 +113,8 @@ def test_the_configured_key_value_verbatim_whatever_its_shape() -> None:
         "https://example.com/v1/chat?model=gpt&stream=true",
         "a@b.example wrote: see http://example.com/x",
         '{"token": null, "secret": true}',
+        '{"tokenizer": "tiktoken:o200k_base"}',  # the history stage's decision line
+        "tokenizer tiktoken:cl100k_base, fallback from tiktoken: no such encoding",
         "",
     ],
 )
