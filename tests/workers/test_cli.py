@@ -209,8 +209,8 @@ def test_timeout_while_following_is_one_line_and_exit_124(run: Any) -> None:
 
 def test_ctrl_c_while_following_leaves_the_turn_running_and_says_how_to_cancel_it(redis_url: str,
                                                                                    quiet: str) -> None:
-    # PYTHONFAULTHANDLER: a process still running 15 s after its Ctrl-C (once in CI, on a loaded
-    # machine; not in 8 runs here beside six busy loops) is sent SIGABRT, and writes where it was to stderr
+    # PYTHONFAULTHANDLER: a process still running 15 s after its Ctrl-C (once in a fresh-check, on a
+    # loaded machine; not in 8 runs here beside six busy loops) is sent SIGABRT, and writes where it was to stderr
     proc = subprocess.Popen([*CLI, "submit", "--agent", "a", "--query", "hi", "--follow"],
                             env=subprocess_env(redis_url, quiet, PYTHONFAULTHANDLER="1"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -18,16 +18,9 @@ pytestmark = pytest.mark.integration
 
 
 def _sockets(client: Any) -> list[socket.socket]:
-    """The connected sockets of a client: its pool's, or every cluster node's."""
-    pools = ([node.connection_pool for node in client.get_nodes()] if hasattr(client, "get_nodes")
-             else [client.connection_pool])
-    found = []
-    for pool in pools:
-        for connection in pool._available_connections:
-            writer = connection._writer
-            if writer is not None:
-                found.append(writer.transport.get_extra_info("socket"))
-    return found
+    """The connected sockets of a one-server client's pool."""
+    return [c._writer.transport.get_extra_info("socket") for c in client.connection_pool._available_connections
+            if c._writer is not None]
 
 
 async def test_the_stores_sockets_have_no_timeout_and_the_kernel_finds_a_dead_peer(own_prefix: str,
