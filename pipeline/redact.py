@@ -80,7 +80,7 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     characters, verbatim), values of fields named like secrets, bearer tokens, key-shaped strings
     and credentials in URLs. Idempotent."""
     if secrets:
-        for secret in sorted((s for s in secrets if len(s) >= MIN_SECRET_CHARS), key=len, reverse=True):
+        for secret in _longest_first(secrets if isinstance(secrets, tuple) else tuple(secrets)):
             if secret in text:
                 text = text.replace(secret, MASK)
     # Substring tests first: most text holds nothing to scrub, and they are far cheaper than a scan.
@@ -96,6 +96,13 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     if "=" in text:
         text = _QUERY_KEY.sub(rf"\1={MASK}", text)
     return text
+
+
+@functools.lru_cache(maxsize=64)
+def _longest_first(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """The secrets worth scrubbing, longest first (so a secret inside a longer one is not left half
+    masked); remembered, since a process logs with the same few for its whole life."""
+    return tuple(sorted((s for s in secrets if len(s) >= MIN_SECRET_CHARS), key=len, reverse=True))
 
 
 def redact_value(value: Any, secrets: Iterable[str] = ()) -> Any:

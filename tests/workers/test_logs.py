@@ -244,3 +244,27 @@ def test_the_http_clients_request_lines_stay_out_of_info(package: str) -> None:
         client.get("http://model.invalid/v1/messages")
     logging.getLogger(package).warning("kept: a warning still shows")
     assert [line["event"] for line in lines(stream)] == ["kept: a warning still shows"]
+
+
+def test_lines_are_made_without_the_lookups_none_of_them_prints() -> None:
+    """The caller's file and line, the thread and the process of a record are not looked up (no
+    line prints them); the logging module's defaults come back with `record_lookups(True)`."""
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            seen.append(record)
+            return True
+
+    stream = configured("INFO")
+    logging.getLogger().handlers[0].addFilter(Keep())
+    try:
+        structlog.get_logger("t").info("plain", n=1)
+        logs.record_lookups(True)
+        structlog.get_logger("t").info("looked_up", n=2)
+    finally:
+        logs.record_lookups(False)
+    plain, looked_up = seen
+    assert (plain.lineno, plain.threadName, plain.process) == (0, None, None)
+    assert looked_up.lineno > 0 and looked_up.threadName and looked_up.process
+    assert [line["event"] for line in lines(stream)] == ["plain", "looked_up"]

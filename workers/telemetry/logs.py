@@ -169,6 +169,21 @@ def _log_warning(message: Warning | str, category: type[Warning], filename: str,
         _warnings_log.debug("python_warning_text", category=category.__name__, detail=str(message), source=source)
 
 
+#: What the logging module looks up for every record that no line written here prints: the thread,
+#: the process and the asyncio task (3.12+) it was logged from.
+_LOOKUPS = ("logThreads", "logProcesses", "logMultiprocessing", "logAsyncioTasks")
+_CALLER_LOOKUP = logging._srcfile
+
+
+def record_lookups(on: bool) -> None:
+    """Make records with (True: the logging module's defaults) or without the lookups no line
+    prints: `_LOOKUPS`, and the caller's file and line (the logging HOWTO's "Optimization" section
+    names these switches). Without them a line costs ~12% less CPU (`python -m bench.log_lines`)."""
+    for name in _LOOKUPS:
+        setattr(logging, name, on)
+    logging._srcfile = _CALLER_LOOKUP if on else None
+
+
 def configure_logging(settings: Settings, *, stream: IO[str] | None = None) -> None:
     """Route structlog and stdlib logging (dramatiq's included) and Python warnings through one
     handler on `stream` (stderr by default) that redacts credentials and keeps message content out of
@@ -211,6 +226,7 @@ def configure_logging(settings: Settings, *, stream: IO[str] | None = None) -> N
         )
     )
     warnings.showwarning = _log_warning
+    record_lookups(False)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level)
