@@ -21,6 +21,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -29,7 +30,7 @@ from threadline.workers.telemetry import logs
 
 #: Two made-up credentials of the shapes a worker's environment holds (provider API keys).
 SECRETS = ("sk-bench0123456789abcdefghijklmnopqrstu", "AIzaBench0123456789abcdefghijklmnopq")
-DECISION = {
+DECISION: dict[str, Any] = {
     "tokenizer": "tiktoken:o200k_base",
     "budget": {"context_window": 32768, "max_output": 1024, "safety_margin": 256, "instructions": 8,
                "query": 12, "tools": 0, "history": 31468},

@@ -12,9 +12,11 @@ five-actor dramatiq chain (`bench/bare_chain.py`) side by side, then prints one 
    least 2x spacing before its next turn (interleaving exposes both to the same machine noise);
    then a few streaming turns at 35 ms per word (a real model's pace) for the text debounce;
 3. throughput, for 1 and then 2 worker processes per system:
-   - a burst: `--throughput-turns` turns on new conversations (chains) submitted at once, timed
-     until the last terminal event, with the worker CPU, server CPU and server commands it cost
-     per turn (the capacity story: a burst from idle is dominated by the bare chain's backoff);
+   - bursts: `--throughput-turns` turns on new conversations (chains) submitted at once, timed
+     until the last terminal event, `--bursts` times through each system in turn; the median
+     burst's rate is reported, with the worker CPU, server CPU and server commands all of them
+     cost per turn (the capacity story: a burst from idle is dominated by the bare chain's backoff,
+     so where its first idle poll falls moved one burst's rate by 3x between runs);
    - saturated: `--inflight` turns kept in flight (closed loop) for `--saturate-s` (30 s: the bare
      chain's chains advance in lockstep, each hop waiting out dramatiq's poll, and finish in
      groups of `--inflight`, so its rate comes in steps of that many per window; a short window
@@ -45,7 +47,7 @@ from typing import Any
 
 import redis
 
-from .procs import ROOT, Processes, Server, bench_session, progress
+from .procs import ROOT, Child, Processes, Server, bench_session, progress
 from .stats import Cost, CostMeter, IdleLoad, Summary, measure_idle_load, percentile
 from .systems import BareSystem, Batch, Saturation, ThreadlineSystem, TurnTiming, summary_line
 
@@ -69,6 +71,7 @@ class Options:
     slow_ttft_turns: int
     spacing_s: float
     throughput_turns: int
+    bursts: int
     inflight: int
     saturate_s: float
     saturate_warmup_s: float
@@ -94,12 +97,14 @@ class Results:
     chat_turns: list[TurnTiming] = field(default_factory=list)
     #: Streaming turns with a model that takes 35 ms per word (shows the text debounce).
     slow_chat_turns: list[TurnTiming] = field(default_factory=list)
-    #: processes → throughput run.
+    #: processes → the median burst (by rate), and every burst's rate in the order they ran.
     tl_throughput: dict[int, Batch] = field(default_factory=dict)
     bare_throughput: dict[int, Batch] = field(default_factory=dict)
+    tl_burst_rates: dict[int, list[float]] = field(default_factory=dict)
+    bare_burst_rates: dict[int, list[float]] = field(default_factory=dict)
     tl_saturated: dict[int, Saturation] = field(default_factory=dict)
     bare_saturated: dict[int, Saturation] = field(default_factory=dict)
-    #: processes → what the burst cost (CPU, commands).
+    #: processes → what the bursts cost (CPU, commands), all of them together.
     tl_cost: dict[int, Cost] = field(default_factory=dict)
     bare_cost: dict[int, Cost] = field(default_factory=dict)
     #: A burst of streaming turns that each spend ~0.5 s in the model, and one such turn alone.
@@ -119,6 +124,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
                         help="quiet before each submission (default 1.0; quick 0.5)")
     parser.add_argument("--throughput-turns", type=int,
                         help="turns per throughput run (default 200; quick 50)")
+    parser.add_argument("--bursts", type=int, help="bursts per system and process count (default 3; quick 1)")
     parser.add_argument("--inflight", type=int, default=50,
                         help="turns kept in flight in the saturated runs (default 50)")
     parser.add_argument("--saturate-s", type=float, help="saturated run length (default 30; quick 4)")
@@ -152,6 +158,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         slow_ttft_turns=pick(a.slow_ttft_turns, 10, 2),
         spacing_s=pick(a.spacing_s, 1.0, 0.5),
         throughput_turns=pick(a.throughput_turns, 200, 50),
+        bursts=pick(a.bursts, 3, 1),
         inflight=a.inflight,
         saturate_s=pick(a.saturate_s, 30.0, 4.0),
         saturate_warmup_s=pick(a.saturate_warmup_s, 2.0, 1.0),
@@ -229,18 +236,19 @@ def run_throughput(opts: Options, tl: ThreadlineSystem, bare: BareSystem, echo: 
             bare.start(count - len(bare.workers))
         if len(tl.workers) < count:
             tl.start(count - len(tl.workers))
-        time.sleep(settle)
-        meter = CostMeter(bare.redis, [w.proc.pid for w in bare.workers])
-        meter.start()
-        results.bare_throughput[count] = batch = bare.throughput(n)
-        results.bare_cost[count] = meter.stop(n)
-        progress(f"bare chain, {count} process(es), burst of {n}: {summary_line(batch)}")
-        time.sleep(settle)
-        meter = CostMeter(bare.redis, [w.proc.pid for w in tl.workers])
-        meter.start()
-        results.tl_throughput[count] = batch = tl.throughput(echo, n)
-        results.tl_cost[count] = meter.stop(n)
-        progress(f"threadline, {count} process(es), burst of {n}: {summary_line(batch)} {batch.statuses}")
+        bare_bursts: list[tuple[Batch, Cost]] = []
+        tl_bursts: list[tuple[Batch, Cost]] = []
+        for _ in range(opts.bursts):  # alternated, so both systems meet the same stretch of machine noise
+            time.sleep(settle)
+            bare_bursts.append(metered(bare.redis, bare.workers, n, lambda: bare.throughput(n)))
+            progress(f"bare chain, {count} process(es), burst of {n}: {summary_line(bare_bursts[-1][0])}")
+            time.sleep(settle)
+            tl_bursts.append(metered(bare.redis, tl.workers, n, lambda: tl.throughput(echo, n)))
+            batch = tl_bursts[-1][0]
+            progress(f"threadline, {count} process(es), burst of {n}: {summary_line(batch)} {batch.statuses}")
+        results.bare_throughput[count], results.bare_burst_rates[count], results.bare_cost[count] = \
+            median_burst(bare_bursts)
+        results.tl_throughput[count], results.tl_burst_rates[count], results.tl_cost[count] = median_burst(tl_bursts)
         time.sleep(settle)
         results.bare_saturated[count] = sat = bare.saturate(opts.inflight, opts.saturate_s,
                                                             opts.saturate_warmup_s)
@@ -257,6 +265,23 @@ def run_throughput(opts: Options, tl: ThreadlineSystem, bare: BareSystem, echo: 
     results.model_bound_processes = len(tl.workers)
     progress(f"threadline, {len(tl.workers)} process(es), {MODEL_BOUND_TURNS} turns of ~0.5 s model time at once: "
              f"{batch.wall_s:.2f} s (one alone: {results.model_bound_single_ms / 1000:.2f} s)")
+
+
+def metered(client: redis.Redis, workers: Sequence[Child], turns: int, burst: Callable[[], Batch]
+            ) -> tuple[Batch, Cost]:
+    """A burst and what it cost the server and `workers`."""
+    meter = CostMeter(client, [w.proc.pid for w in workers])
+    meter.start()
+    batch = burst()
+    return batch, meter.stop(turns)
+
+
+def median_burst(bursts: Sequence[tuple[Batch, Cost]]) -> tuple[Batch, list[float], Cost]:
+    """The burst of the median rate (the lower middle one of an even count), every burst's rate in
+    order, and their costs together."""
+    ranked = sorted(bursts, key=lambda b: b[0].burst_rate)
+    return (ranked[(len(ranked) - 1) // 2][0], [b.burst_rate for b, _ in bursts],
+            Cost.total([c for _, c in bursts]))
 
 
 def run(opts: Options, workdir: Path) -> Results:
@@ -388,8 +413,13 @@ def render(opts: Options, r: Results, command: str) -> str:
     if r.idle_tl is not None and r.idle_bare is not None:
         lines += ["", f"idle load per command (calls/s): Threadline: {r.idle_tl.breakdown(8)}; "
                       f"bare: {r.idle_bare.breakdown(8)}"]
+    for count, rates in r.tl_burst_rates.items():
+        if len(rates) > 1:
+            lines += ["", f"bursts through {count} process(es), turns/s in the order they ran: Threadline "
+                          f"{', '.join(f'{x:.1f}' for x in rates)}; bare "
+                          f"{', '.join(f'{x:.1f}' for x in r.bare_burst_rates[count])}"]
     if 1 in r.tl_cost:
-        lines += ["", f"commands per turn, burst through 1 process: Threadline: {r.tl_cost[1].breakdown(10)}; "
+        lines += ["", f"commands per turn, the bursts through 1 process: Threadline: {r.tl_cost[1].breakdown(10)}; "
                       f"bare: {r.bare_cost[1].breakdown(10)}"]
     for title, turns in (("Where an idle Threadline turn's time goes (offline:echo)", r.tl_turns),
                          ("Where a streaming turn's time goes (offline:chat, delay 0)", r.chat_turns),
@@ -407,20 +437,23 @@ def throughput_rows(opts: Options, r: Results) -> list[tuple[str, str, str, str,
         label = f"{count} process{'es' if count > 1 else ''} x {opts.threads} threads"
         burst, bare_burst = r.tl_throughput[count], r.bare_throughput[count]
         bad = f"; {burst.not_succeeded} not succeeded" if burst.not_succeeded else ""
-        rows.append(_row(f"throughput, {label}: burst of {burst.count}, submit → last terminal (turns/s{bad})",
+        runs = len(r.tl_burst_rates.get(count, ())) or 1
+        of = f", median of {runs}" if runs > 1 else ""
+        rows.append(_row(f"throughput, {label}: burst of {burst.count}{of}, submit → last terminal (turns/s{bad})",
                          burst.burst_rate, bare_burst.burst_rate, target,
                          burst.burst_rate >= THROUGHPUT_RATIO_TARGET * bare_burst.burst_rate
                          and not burst.not_succeeded))
         cost, bare_cost = r.tl_cost[count], r.bare_cost[count]
+        those = "  those bursts:" if runs > 1 else "  that burst:"
         rows += [
-            _row(f"  that burst: worker CPU per turn, {label} (ms)", cost.worker_ms, bare_cost.worker_ms),
-            _row("  that burst: server CPU per turn (ms)", cost.server_ms, bare_cost.server_ms),
-            _row("  that burst: server commands per turn (incl. inside Lua; harness XREADs excluded)",
+            _row(f"{those} worker CPU per turn, {label} (ms)", cost.worker_ms, bare_cost.worker_ms),
+            _row(f"{those} server CPU per turn (ms)", cost.server_ms, bare_cost.server_ms),
+            _row(f"{those} server commands per turn (incl. inside Lua; harness XREADs excluded)",
                  cost.commands_per_turn, bare_cost.commands_per_turn),
-            _row("  that burst: EVALSHA per turn", cost.scripts_per_turn, bare_cost.scripts_per_turn),
-            _row("  that burst: server read events per turn (requests; the harness's included)",
+            _row(f"{those} EVALSHA per turn", cost.scripts_per_turn, bare_cost.scripts_per_turn),
+            _row(f"{those} server read events per turn (requests; the harness's included)",
                  cost.reads_per_turn, bare_cost.reads_per_turn),
-            _row("  that burst: the harness's XREADs per turn", cost.waits_per_turn, bare_cost.waits_per_turn),
+            _row(f"{those} the harness's XREADs per turn", cost.waits_per_turn, bare_cost.waits_per_turn),
         ]
         sat, bare_sat = r.tl_saturated[count], r.bare_saturated[count]
         bad = f"; {sat.not_succeeded} not succeeded" if sat.not_succeeded else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,16 @@ class Cost:
     reads: int = 0
     #: The harness's XREADs among them.
     waits: int = 0
+
+    @classmethod
+    def total(cls, costs: Sequence[Cost]) -> Cost:
+        """What all of `costs` cost together."""
+        commands: Counter[str] = Counter()
+        for c in costs:
+            commands.update(c.commands)
+        return cls(sum(c.turns for c in costs), sum(c.worker_cpu_s for c in costs),
+                   sum(c.server_cpu_s for c in costs), dict(commands), sum(c.reads for c in costs),
+                   sum(c.waits for c in costs))
 
     @property
     def worker_ms(self) -> float:
