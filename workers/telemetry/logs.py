@@ -178,7 +178,7 @@ _CALLER_LOOKUP = logging._srcfile
 def record_lookups(on: bool) -> None:
     """Make records with (True: the logging module's defaults) or without the lookups no line
     prints: `_LOOKUPS`, and the caller's file and line (the logging HOWTO's "Optimization" section
-    names these switches). Without them a line costs ~12% less CPU (`python -m bench.log_lines`)."""
+    names these switches). `python -m bench.log_lines` measures what they cost a line."""
     for name in _LOOKUPS:
         setattr(logging, name, on)
     logging._srcfile = _CALLER_LOOKUP if on else None
