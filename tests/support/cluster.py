@@ -15,20 +15,34 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 
 import redis
 
+#: A node that exits at start (a port taken between choosing and binding it) is started again on
+#: other ports this many times.
+START_TRIES = 5
 
-def _free_port() -> int:
-    # a cluster node also listens on port + 10000 (its bus): keep both below 65536
+
+def _free_port(taken: set[int]) -> int:
+    """A free port whose cluster bus port (port + 10000, which a node also listens on) is free too,
+    neither of them in `taken` (the other nodes' ports and bus ports, which they may not have bound
+    yet): a node's bus port lies in the kernel's range of ports for outgoing connections, and once
+    was another node's port."""
     while True:
-        with socket.socket() as s:
+        with socket.socket() as s, socket.socket() as bus:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port + 10_000 < 65_536:
+            if port + 10_000 >= 65_536 or {port, port + 10_000} & taken:
+                continue
+            try:
+                bus.bind(("127.0.0.1", port + 10_000))
+            except OSError:
+                continue
             return port
 
 
@@ -38,6 +52,8 @@ class Node:
     proc: subprocess.Popen[bytes]
     #: The `redis-server` command line it was started with (`Cluster.start_node` runs it again).
     command: list[str] = field(default_factory=list)
+    #: Where its output goes.
+    log: Path | None = None
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, socket_timeout=5)
@@ -75,22 +91,34 @@ class Cluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
 
     def start(self) -> Cluster:
-        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        self.nodes = []
         for _ in range(self.primaries * (1 + self.replicas)):
-            port = _free_port()
-            home = self.workdir / str(port)
-            home.mkdir(parents=True)
-            command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                       "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
-                       "--save", "", *persistence, "--dir", str(home)]
-            self.nodes.append(Node(port, _launch(command), command))
-        for node in self.nodes:
-            _wait(lambda n=node: _pings(n.port), f"node {node.port} answers")
+            self.nodes.append(self._new_node())  # one at a time: each avoids the ports of those before it
+        for i in range(len(self.nodes)):
+            for _ in range(START_TRIES):
+                node = self.nodes[i]
+                _wait(partial(_up_or_gone, node), f"node {node.port} answers", detail=partial(_tail, node.log))
+                if node.alive():
+                    break
+                self.nodes[i] = self._new_node()  # it exited: a port of it was taken after it was chosen
+            else:
+                raise RuntimeError(f"no node started in {START_TRIES} tries: {_tail(self.nodes[i].log)}")
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         _wait(self.ready, "the cluster's slots are all served")
         return self
+
+    def _new_node(self) -> Node:
+        port = _free_port({p for n in self.nodes for p in (n.port, n.port + 10_000)})
+        home = self.workdir / str(port)
+        home.mkdir(parents=True)
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                   "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+                   "--save", "", *persistence, "--dir", str(home)]
+        log = home / "redis.log"
+        return Node(port, _launch(command, log), command, log)
 
     def ready(self) -> bool:
         try:
@@ -121,7 +149,7 @@ class Cluster:
         it serves: its data loaded and the cluster ok in its view (a primary that rejoins waits a
         moment before it serves; one whose replica took over meanwhile rejoins as a replica)."""
         assert not node.alive(), f"node {node.port} is running"
-        node.proc = _launch(node.command)
+        node.proc = _launch(node.command, node.log)
 
         def serving() -> bool:
             try:
@@ -161,8 +189,21 @@ class Cluster:
         self.stop()
 
 
-def _launch(command: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _launch(command: list[str], log: Path | None) -> subprocess.Popen[bytes]:
+    if log is None:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with log.open("ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _up_or_gone(node: Node) -> bool:
+    return not node.alive() or _pings(node.port)
+
+
+def _tail(log: Path | None, lines: int = 5) -> str:
+    if log is None or not log.exists():
+        return "(no log)"
+    return " | ".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _state_ok(info: object) -> bool:
@@ -186,11 +227,11 @@ def _pings(port: int) -> bool:
         return False
 
 
-def _wait(predicate: object, what: str, timeout_s: float = 30) -> None:
+def _wait(predicate: object, what: str, timeout_s: float = 30, detail: Callable[[], str] | None = None) -> None:
     assert callable(predicate)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.05)
-    raise TimeoutError(what)
+    raise TimeoutError(f"{what}: {detail()}" if detail is not None else what)
