@@ -50,10 +50,10 @@ def _free_port(taken: set[int]) -> int:
 class Node:
     port: int
     proc: subprocess.Popen[bytes]
+    #: Where its output goes.
+    log: Path
     #: The `redis-server` command line it was started with (`Cluster.start_node` runs it again).
     command: list[str] = field(default_factory=list)
-    #: Where its output goes.
-    log: Path | None = None
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, socket_timeout=5)
@@ -118,7 +118,7 @@ class Cluster:
                    "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
                    "--save", "", *persistence, "--dir", str(home)]
         log = home / "redis.log"
-        return Node(port, _launch(command, log), command, log)
+        return Node(port, _launch(command, log), log, command)
 
     def ready(self) -> bool:
         try:
@@ -189,9 +189,7 @@ class Cluster:
         self.stop()
 
 
-def _launch(command: list[str], log: Path | None) -> subprocess.Popen[bytes]:
-    if log is None:
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _launch(command: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
@@ -200,8 +198,8 @@ def _up_or_gone(node: Node) -> bool:
     return not node.alive() or _pings(node.port)
 
 
-def _tail(log: Path | None, lines: int = 5) -> str:
-    if log is None or not log.exists():
+def _tail(log: Path, lines: int = 5) -> str:
+    if not log.exists():
         return "(no log)"
     return " | ".join(log.read_text(errors="replace").splitlines()[-lines:])
 
