@@ -359,6 +359,17 @@ def test_one_poll_reads_every_queue_of_its_interval_on_every_shard_for_all_their
     nothing on another queue and rings that queue's consumer, which then polls no more itself."""
     settings = dataclasses.replace(sharded_settings(redis_url), idle_poll_ms=30_000)
     made = DoorbellBroker(settings=settings, url=redis_url)
+    # The listener rings every consumer once per node it listens to, when that node confirms its
+    # subscriptions (one server: once; a cluster: once per primary, each when it answers). A ring
+    # after the first poll below would start a poll of its own: count them, and start after the last.
+    ring_all, rings_all = made._ring_all, list[None]()
+
+    def counted() -> None:
+        rings_all.append(None)
+        ring_all()
+
+    made._ring_all = counted  # type: ignore[method-assign]  # read when the listener is made, at the first consume
+    nodes = len(nodes_serving(redis_url, [made.keys.on(s).doorbell_channel() for s in made.shards]))
     dramatiq.actor(lambda tag: None, actor_name="record", queue_name=QUEUE, broker=made)
     dramatiq.actor(lambda tag: None, actor_name="other", queue_name="other", broker=made)
     try:
@@ -370,8 +381,9 @@ def test_one_poll_reads_every_queue_of_its_interval_on_every_shard_for_all_their
         mine, theirs = made.consume(QUEUE, prefetch=1), made.consume("other", prefetch=1)
         group = made._poll_groups[30_000]
         # subscribed: the listener rang every consumer once (any shard may have messages: a poll is due)
-        rung = poll(lambda: mine.ring.is_set() and theirs.ring.is_set(), timeout_s=10)
-        assert rung, {"mine": mine.ring.is_set(), "theirs": theirs.ring.is_set()}  # which one, if it fails again
+        rung = poll(lambda: len(rings_all) >= nodes and mine.ring.is_set() and theirs.ring.is_set(), timeout_s=10)
+        assert rung, {"mine": mine.ring.is_set(), "theirs": theirs.ring.is_set(), "rings": len(rings_all),
+                      "nodes": nodes}  # which one, if it fails again
         threading.Thread(target=lambda: next(mine), daemon=True).start()  # its first look polls the group
         wait_until(lambda: group.started_at > float("-inf"), timeout_s=10)
         polled = group.started_at
