@@ -163,7 +163,14 @@ class Watchdog:
                 newest = cast(list[bytes], await store.redis.zrange(k.message_order(conversation_id), -1, -1))
                 row = await store.redis.hget(k.messages(conversation_id), newest[0]) if newest else None
                 last = _updated_at(row) or float(text(await store.redis.hget(raw, "created_at") or b"0"))
-                added += cast(int, await store.redis.zadd(k.activity(), {conversation_id: last}, nx=True))
+                if not await store.redis.zadd(k.activity(), {conversation_id: last}, nx=True):
+                    continue
+                # deleted since the scan read it (a retention sweep of another process, a user's delete,
+                # which take the entry with the conversation): the entry just added would stay behind
+                if await store.redis.exists(raw):
+                    added += 1
+                else:
+                    await store.redis.zrem(k.activity(), conversation_id)
         log.info("activity_backfilled", conversations=added)
         return added
 
